@@ -29,6 +29,10 @@ check: install
 test: check
 	$(PY) -m pytest tests -q -p no:cacheprovider
 	$(BIN)/nbdev_test --timing
+	@untracked=$$(git ls-files --others --exclude-standard imagegen scripts nbs 2>/dev/null); \
+	if [ -n "$$untracked" ]; then echo "generated or new files not added to git: $$untracked (git add them)"; exit 1; fi
+	@if [ -n "$${CI:-}" ] && [ -n "$$(git status --porcelain 2>/dev/null)" ]; then \
+	  echo "the tests left the tree dirty:"; git status --porcelain; exit 1; fi
 
 main: install
 	$(BIN)/imagegen-diagnose
