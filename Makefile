@@ -12,7 +12,7 @@ ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
 export ACCELERATE_USE_CPU := 1
 endif
 
-.PHONY: install export check test test-fast main clean-runs
+.PHONY: install export check test main diagnose
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,25 @@ test: check
 	@if [ -n "$${CI:-}" ] && [ -n "$$(git status --porcelain 2>/dev/null)" ]; then \
 	  echo "the tests left the tree dirty:"; git status --porcelain; exit 1; fi
 
+# The main job: Shapes -> tiny VAE -> tiny latent diffusion -> held-out prompts -> grid + metrics JSON.
+# On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
+MAIN ?= runs/main
+VAE_STEPS ?= 600
+LDM_STEPS ?= 2000
+N_EVAL ?= 200
+N_TRAIN ?= 10000
+LAUNCH := $(BIN)/accelerate launch $(if $(ACCELERATE_USE_CPU),--num_processes 1,)
 main: install
+	$(BIN)/imagegen-diagnose
+	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
+	$(LAUNCH) scripts/train_vae.py --output_dir $(MAIN)/vae --dataset $(MAIN)/shapes/imagefolder/train --max_steps $(VAE_STEPS) --tracker tensorboard
+	$(LAUNCH) scripts/train_ldm.py --output_dir $(MAIN)/ldm --dataset $(MAIN)/shapes/imagefolder/train --vae $(MAIN)/vae/model \
+	  --max_steps $(LDM_STEPS) --batch_size 64 --lr 5e-4 --warmup_steps 100 --ema --ema_decay 0.999 --tracker tensorboard
+	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples
+	$(PY) scripts/evaluate.py --samples $(MAIN)/samples
+	@echo "grid: $(MAIN)/samples/grid.png  metrics: $(MAIN)/samples/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
+
+# the distributed check alone (2 CPU ranks here, every GPU on a GPU node)
+diagnose: install
 	$(BIN)/imagegen-diagnose
 	$(BIN)/accelerate launch $(if $(ACCELERATE_USE_CPU),--multi_gpu --num_processes 2,) scripts/diagnose_distributed.py

@@ -1,0 +1,14 @@
+"The README's main job, end to end with tiny step counts: every stage runs and the outputs are where it says."
+import json, shutil
+from pathlib import Path
+from conftest import ROOT, run
+
+def test_main_job_tiny(tmp_path):
+    out = tmp_path/'main'
+    p = run(['make', '-s', 'main', f'MAIN={out}', 'VAE_STEPS=3', 'LDM_STEPS=3', 'N_EVAL=8', 'N_TRAIN=256'], timeout=900)
+    assert 'adherence (colour and shape right):' in p.stdout, p.stdout[-3000:]
+    m = json.loads((out/'samples'/'metrics.json').read_text())
+    assert m['n_images'] == 8 and 0 <= m['oracle/color_and_shape'] <= 1 and m['sampler'] == 'dpmpp_2m'
+    assert 'fid' in m and m['fid_features']
+    assert (out/'samples'/'grid.png').exists() and (out/'ldm'/'model'/'model_index.json').exists()
+    assert (out/'ldm'/'run_info.json').exists() and list((out/'ldm'/'logs').rglob('events.out.tfevents*'))
