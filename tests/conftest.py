@@ -16,3 +16,10 @@ def run(cmd, cwd=ROOT, env=None, timeout=600, check=True):
 
 @pytest.fixture
 def root(): return ROOT
+
+def two_ranks(test_file:str, worker:str, out):
+    """Run `worker(out)` from `test_file` on 2 gloo CPU ranks via accelerate's debug_launcher, in a fresh interpreter:
+    forking the pytest process after torch ran multithreaded ops deadlocks the children."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(test_file).parent)!r}); import {Path(test_file).stem} as t; "
+            f"from accelerate import debug_launcher; debug_launcher(lambda: t.{worker}({str(out)!r}), num_processes=2)")
+    subprocess.run([sys.executable, '-c', code], check=True, timeout=600)

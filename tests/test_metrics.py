@@ -1,4 +1,5 @@
 "Metrics: FID/KID with the offline feature extractor, CLIP score with a tiny local CLIP, the combined report, rank sync."
+from conftest import two_ranks
 import subprocess, sys
 from pathlib import Path
 import json
@@ -53,12 +54,7 @@ def test_evaluate_and_json(sets, tmp_path):
     assert d['oracle/count_acc'] == 0.5 and d['n_images'] == 4
     assert set(evaluate_images(a[:2], ['x', 'y'], oracle=Oracle())) == {'n_images'}  # no scenes: no oracle
 
-def _two_ranks(worker:str, out):
-    """Run `worker(out)` of this file on 2 gloo CPU ranks via accelerate's debug_launcher, in a fresh interpreter:
-    forking the pytest process after torch ran multithreaded ops deadlocks the children."""
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import {Path(__file__).stem} as t; "
-            f"from accelerate import debug_launcher; debug_launcher(lambda: t.{worker}({str(out)!r}), num_processes=2)")
-    subprocess.run([sys.executable, '-c', code], check=True, timeout=600)
+def _two_ranks(worker:str, out): two_ranks(__file__, worker, out)
 
 def _fid_rank_worker(out):
     "Each of 2 ranks updates with its half; torchmetrics all-reduces the states in compute()."

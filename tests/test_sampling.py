@@ -1,4 +1,5 @@
 "Sampling: parity with diffusers' StableDiffusionPipeline, every sampler, seeds, guidance, distributed order."
+from conftest import two_ranks
 import subprocess, sys
 from pathlib import Path
 import os, tempfile
@@ -75,12 +76,7 @@ def test_custom_encode_callable(comps):
     with pytest.raises(ValueError, match='pad to a fixed length'):
         sample(comps['unet'], comps['scheduler'], bad, ['long prompt'], vae=comps['vae'], steps=1, progress=False)
 
-def _two_ranks(worker:str, out):
-    """Run `worker(out)` of this file on 2 gloo CPU ranks via accelerate's debug_launcher, in a fresh interpreter:
-    forking the pytest process after torch ran multithreaded ops deadlocks the children."""
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import {Path(__file__).stem} as t; "
-            f"from accelerate import debug_launcher; debug_launcher(lambda: t.{worker}({str(out)!r}), num_processes=2)")
-    subprocess.run([sys.executable, '-c', code], check=True, timeout=600)
+def _two_ranks(worker:str, out): two_ranks(__file__, worker, out)
 
 def _distributed_worker(out):
     from accelerate import Accelerator
