@@ -4,26 +4,37 @@
 
 # %% ../nbs/00_diagnostics.ipynb #54ae0d8c
 from __future__ import annotations
-import json, os, platform, shutil, socket, sys
+import functools, json, os, platform, shutil, socket, subprocess, sys
 from pathlib import Path
 from types import SimpleNamespace
 import torch
 
 # %% auto #0
 __all__ = ['gpu_info', 'versions', 'accelerate_view', 'slurm_info', 'in_notebook', 'storage_info', 'launch_command',
-           'warnings_for', 'collect', 'format_report', 'diagnose', 'distributed_check', 'main']
+           'warnings_for', 'collect', 'format_report', 'diagnose', 'distributed_check', 'notebook_processes',
+           'launch_in_notebook', 'main']
 
 # %% ../nbs/00_diagnostics.ipynb #f78d3a54
 def gpu_info(cuda=None) -> list[dict]:
     "One dict per visible GPU: index, name, memory (GiB), compute capability and bf16 support."
-    cuda = cuda or torch.cuda
-    if not cuda.is_available(): return []
+    if cuda is not None: return _gpu_props(cuda) if cuda.is_available() else []
+    if not torch.cuda.is_available(): return []
+    return _gpu_props(torch.cuda) if torch.cuda.is_initialized() else _gpu_props_in_child()
+
+def _gpu_props(cuda) -> list[dict]:
     out = []
     for i in range(cuda.device_count()):
         p = cuda.get_device_properties(i)
         out.append(dict(index=i, name=p.name, memory_gib=round(p.total_memory / 2**30, 1),
                         capability=f"{p.major}.{p.minor}", bf16=p.major >= 8))
     return out
+
+def _gpu_props_in_child() -> list[dict]:
+    "`_gpu_props(torch.cuda)` computed by a child process, so that this one does not initialise CUDA."
+    code = "import json, torch; from imagegen.diagnostics import _gpu_props; print(json.dumps(_gpu_props(torch.cuda)))"
+    p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    if p.returncode: raise RuntimeError(f"querying the GPUs in a child process failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 # %% ../nbs/00_diagnostics.ipynb #2414d55a
 def versions(cuda=None) -> dict:
@@ -113,7 +124,8 @@ def warnings_for(report:dict) -> list[str]:
     allocated = max(len(gpus), (slurm or {}).get('gpus_per_node') or 0)
     if report['notebook']:
         w.append(f"This is a notebook: one process, so it uses ONE GPU even when {max(allocated, 1)} are allocated. "
-                 f"To use all of them, run from a shell:\n{launch_command(max(allocated, 2))}")
+                 f"To use all of them, run from a shell:\n{launch_command(max(allocated, 2))}\n"
+                 "or, in a kernel where nothing has touched CUDA yet: imagegen.diagnostics.launch_in_notebook(train_fn)")
     elif allocated > 1 and acc['num_processes'] == 1:
         w.append(f"{allocated} GPUs are visible but this is a single process: use `accelerate launch --num_processes {allocated}`.")
     if slurm and slurm['gpus_per_node'] and len(gpus) < slurm['gpus_per_node'] and report['versions']['cuda']:
@@ -180,6 +192,37 @@ def distributed_check(accelerator=None) -> dict:
              all_reduce=total, all_reduce_expected=n * (n + 1) / 2, broadcast_ok=token == 12345.0, ok=ok)
     if not ok: raise RuntimeError(f"rank {rank}: collective check failed: all-reduce {total} (expected {n*(n+1)/2}), broadcast {token}")
     return r
+
+# %% ../nbs/00_diagnostics.ipynb #3b0b3fb4
+def notebook_processes(cuda=None) -> tuple[int, str]:
+    "(processes, device kind) a notebook launch uses by default: one per visible GPU, else 2 CPU ranks."
+    cuda = cuda or torch.cuda
+    n = cuda.device_count() if cuda.is_available() else 0   # NVML count: does not initialise CUDA
+    return (n, 'GPU') if n else (2, 'CPU')
+
+# %% ../nbs/00_diagnostics.ipynb #4a7b5512
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+def launch_in_notebook(fn, *args, num_processes:int|None=None, mixed_precision:str='no', **kwargs):
+    "Run `fn(*args, **kwargs)` on `num_processes` ranks forked from this kernel (`accelerate.notebook_launcher`); default: one per visible GPU, 2 CPU ranks without GPUs."
+    from accelerate import notebook_launcher
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import patch_environment
+    n_default, kind = notebook_processes()
+    n = num_processes or n_default
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA is already initialised in this kernel (a cell used the GPU), and ranks forked from it "
+                           "cannot use CUDA. Restart the kernel and call launch_in_notebook before anything touches CUDA; "
+                           f"or run the code as a script from a shell:\n{launch_command(n)}")
+    if PartialState._shared_state and not PartialState().use_distributed:
+        AcceleratorState._reset_state(reset_partial_state=True)  # an Accelerator made in this kernel: ranks start afresh
+    @functools.wraps(fn)  # the launcher wants a named function (no functools.partial)
+    def rank_fn(*a): return fn(*a, **kwargs)
+    print(f"launching {n} {kind} rank(s)")
+    with patch_environment(**({'accelerate_use_cpu': '1'} if kind == 'CPU' else {})):
+        notebook_launcher(rank_fn, args=args, num_processes=n, mixed_precision=mixed_precision, use_port=str(_free_port()))
 
 # %% ../nbs/00_diagnostics.ipynb #04b87d91
 def main(argv:list[str]|None=None) -> int:

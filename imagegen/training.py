@@ -14,7 +14,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.state import AcceleratorState, GradientState, PartialState
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
 from diffusers.optimization import get_scheduler, SchedulerType
 from diffusers.training_utils import EMAModel
 
@@ -402,7 +402,11 @@ def _setup(self:Trainer, dataloader):
     params = [p for p in model.parameters() if p.requires_grad]
     if not params: raise ConfigError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train.")
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    self.model, self.opt, self.dl = acc.prepare(model, opt, dataloader)
+    # a loader that shards itself (WebDataset shards, `dl.self_sharded`) is not prepared: accelerate would dispatch
+    # rank 0's share to every rank (and fail on the caption strings); its batches are moved to the device in `_run_epoch`
+    self.self_sharded = bool(getattr(dataloader, 'self_sharded', False))
+    if self.self_sharded: (self.model, self.opt), self.dl = acc.prepare(model, opt), dataloader
+    else: self.model, self.opt, self.dl = acc.prepare(model, opt, dataloader)
     self.max_steps = cfg.max_steps or self._steps_from_epochs()
     # not prepared: stepped once per update, so its state does not depend on the number of processes
     self.sched = get_scheduler(cfg.lr_scheduler, self.opt.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.max_steps)
@@ -538,10 +542,12 @@ def _loss(self:Trainer, batch) -> tuple[torch.Tensor, dict]:
 def _run_epoch(self:Trainer, bar):
     cfg, acc = self.cfg, self.acc
     seed_all(derived_seed(cfg.seed, self.epoch, 2**31 - 1))
-    if hasattr(self.dl, 'set_epoch'): self.dl.set_epoch(self.epoch)
+    epochs = self.dl if hasattr(self.dl, 'set_epoch') else getattr(self.dl, 'dataset', None)  # a self-sharded stream's dataset
+    if hasattr(epochs, 'set_epoch'): epochs.set_epoch(self.epoch)
     it = acc.skip_first_batches(self.dl, self.batch_in_epoch) if self.batch_in_epoch else self.dl
     sums, n_micro, keys = None, 0, None
     for batch in it:
+        if self.self_sharded: batch = send_to_device(batch, acc.device)
         seed_all(derived_seed(cfg.seed, self.step, n_micro, acc.process_index))
         with acc.accumulate(self.model):
             loss, extras = self._loss(batch)

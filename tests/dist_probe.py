@@ -1,0 +1,92 @@
+"""Run a repository script with instrumentation: `python tests/dist_probe.py OUT SCRIPT [ARGS...]`, also as the target of
+`accelerate launch`. The script runs unchanged (as `__main__`); each process writes OUT/rank<RANK>.pt with:
+- `writes`: every file it opened for writing, renamed or removed (paths outside OUT);
+- from the shared training loop, if the script trains: the batches it saw (`epoch`, `step`, sample `key`s, captions),
+  the step it started at after resuming, its trainable parameters and EMA shadow at the start and end, and, for a text
+  model, the tokenizer vocabulary and text-encoder weights it trained with.
+Seen: Python `open`, renames, `shutil.rmtree`, `torch.save` and safetensors `save_file`; not seen: other native writers
+(tokenizers' tokenizer.json, TensorBoard event files: tests check those by name)."""
+import atexit, builtins, io, os, runpy, shutil, sys
+from pathlib import Path
+
+OUT = Path(sys.argv[1]).resolve()
+REC = {'writes': [], 'batches': [], 'pid': os.getpid(), 'rank': int(os.environ.get('RANK', 0)),
+       'world_size': int(os.environ.get('WORLD_SIZE', 1))}
+
+
+def _note(kind, path):
+    try: p = Path(os.fspath(path)).resolve()
+    except TypeError: return  # file descriptors, buffers
+    if p == OUT or OUT in p.parents or p.parts[1:2] in (('dev',), ('proc',)): return
+    REC['writes'].append((kind, str(p)))
+
+
+_open = builtins.open
+def _open_recorded(file, mode='r', *args, **kwargs):
+    if any(c in mode for c in 'wax+'): _note('open', file)
+    return _open(file, mode, *args, **kwargs)
+builtins.open = io.open = _open_recorded
+
+def _wrap(mod, name, kind):
+    f = getattr(mod, name)
+    def g(src, *args, **kwargs):
+        _note(kind, args[0] if kind != 'rmtree' and args else src)
+        return f(src, *args, **kwargs)
+    setattr(mod, name, g)
+_wrap(os, 'rename', 'rename'); _wrap(os, 'replace', 'rename'); _wrap(shutil, 'rmtree', 'rmtree')
+
+import torch, safetensors.torch   # patched before accelerate/diffusers import them: their files are written in C++/Rust
+for _mod, _name in ((torch, 'save'), (safetensors.torch, 'save_file')):
+    def _saver(f=getattr(_mod, _name)):
+        def save(obj, path, *args, **kwargs):
+            _note(f.__name__, path)
+            return f(obj, path, *args, **kwargs)
+        return save
+    setattr(_mod, _name, _saver())
+
+
+def _flat(params):
+    import torch
+    return torch.cat([p.detach().float().flatten().cpu() for p in params])
+
+
+def _instrument_training():
+    import imagegen.training as T
+    _loss, _resume, _start_logging, _fit = T.Trainer._loss, T.Trainer._resume, T.Trainer._start_logging, T.Trainer.fit
+    def loss(self, batch):
+        b = batch if isinstance(batch, dict) else {}
+        REC['batches'].append({'epoch': self.epoch, 'step': self.step, 'keys': list(b.get('key') or []),
+                               'captions': list(b.get('caption') or [])})
+        return _loss(self, batch)
+    def resume(self):
+        ck = _resume(self)
+        REC.update(start_step=self.step, resumed_from=str(ck) if ck else None)
+        return ck
+    def start_logging(self):  # runs after resume, before the first update
+        model = self.acc.unwrap_model(self.model)
+        REC['params_start'] = _flat(model.parameters())
+        if self.ema: REC['ema_start'] = _flat(self.ema.shadow_params)
+        return _start_logging(self)
+    def fit(self):
+        try: return _fit(self)
+        finally:
+            REC.update(rank=self.acc.process_index, world_size=self.acc.num_processes, end_step=self.step,
+                       losses=list(self.history), params=_flat(self.acc.unwrap_model(self.model).parameters()))
+            if self.ema: REC['ema'] = _flat(self.ema.shadow_params)
+            te = getattr(self.task, 'text_encoder', None)
+            if te is not None: REC.update(vocab=te.tokenizer.get_vocab(), text_params=_flat(te.model.parameters()))
+    T.Trainer._loss, T.Trainer._resume, T.Trainer._start_logging, T.Trainer.fit = loss, resume, start_logging, fit
+
+
+@atexit.register
+def _dump():
+    import torch
+    OUT.mkdir(parents=True, exist_ok=True)
+    torch.save(REC, OUT/f"rank{REC['rank']}.pt")
+
+
+if __name__ == '__main__':
+    script, args = sys.argv[2], sys.argv[3:]
+    _instrument_training()
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name='__main__')
