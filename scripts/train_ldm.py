@@ -5,14 +5,18 @@ from pathlib import Path
 from fastcore.script import call_parse
 from imagegen.ldm import LatentDiffusion, ldm_config
 
-def collect_captions(dl, n_batches:int=50) -> list[str]:
-    "Non-empty captions of the first `n_batches` batches (the corpus for a tiny tokenizer)."
+def collect_captions(dl, n_batches:int=50, seed:int=0) -> list[str]:
+    "Non-empty captions of the first `n_batches` batches (the corpus for a tiny tokenizer): the same in every run, and rank 0's on every rank."
+    import torch
+    from accelerate.utils import broadcast_object_list
     caps = []
-    for i, b in enumerate(dl):
-        if i >= n_batches: break
-        caps += [c for c in b['caption'] if c]
+    with torch.random.fork_rng(devices=[]):  # the loader's shuffle, caption choice and dropout draw from torch's global RNG
+        torch.manual_seed(seed)
+        for i, b in enumerate(dl):
+            if i >= n_batches: break
+            caps += [c for c in b['caption'] if c]
     if not caps: raise ValueError("No captions in the first batches of the data loader: a 'tiny' text encoder needs captioned data.")
-    return caps
+    return broadcast_object_list([caps])[0]
 
 @call_parse
 def main(preset:str='tiny', # LDMConfig preset: tiny, tiny_pixel, small, sd15
@@ -38,18 +42,28 @@ def main(preset:str='tiny', # LDMConfig preset: tiny, tiny_pixel, small, sd15
          sample_every:int=None, # optimizer steps between sample grids (logged and saved as PNG)
          tracker:str='tensorboard', # 'tensorboard', 'mlflow', 'wandb' or 'none'
          seed:int=0, # random seed
+         cache_latents:bool=False, # encode the dataset once with the frozen VAE and train on the cached latents (map-style data only)
+         train_text_encoder:bool=False, # train the tiny text encoder with the UNet
+         pooled_text:bool=False, # also feed attention-pooled text into the UNet's time embedding
         ):
     "Train a LatentDiffusion model with the shared training loop and save it as a diffusers pipeline folder."
-    from imagegen.data import make_dataloader
-    from imagegen.training import TrainConfig, train
+    from imagegen.data import make_dataloader, make_dataset
+    from imagegen.ldm import cache_latents as encode_once
+    from imagegen.training import TrainConfig, make_accelerator, train
     over = {k: v for k, v in dict(resolution=resolution, vae=vae, text_encoder=text_encoder).items() if v is not None}
-    cfg = ldm_config(preset, prediction_type=prediction_type, snr_gamma=snr_gamma, noise_offset=noise_offset, **over)
-    dl = make_dataloader(dataset, batch_size=batch_size, resolution=cfg.resolution, split='train', caption_dropout=cfg_dropout)
-    corpus = collect_captions(dl) if cfg.text_encoder == 'tiny' else None
-    model = LatentDiffusion.from_config(cfg, corpus=corpus, seed=seed)
+    cfg = ldm_config(preset, prediction_type=prediction_type, snr_gamma=snr_gamma, noise_offset=noise_offset,
+                     train_text_encoder=train_text_encoder, pooled_text=pooled_text, **over)
     tcfg = TrainConfig(output_dir=output_dir, lr=lr, max_steps=max_steps, batch_size=batch_size,
                        mixed_precision=mixed_precision, seed=seed, tracker=tracker, lr_scheduler=lr_scheduler,
                        warmup_steps=warmup_steps, ema=ema, ema_decay=ema_decay, grad_accum=grad_accum,
                        checkpoint_every=checkpoint_every, sample_every=sample_every, tags={'model': 'ldm', 'preset': preset})
-    train(model, dl, tcfg)  # saves the final model to OUTPUT_DIR/model via model.save_pretrained
+    acc = make_accelerator(tcfg)  # before the model: the ranks agree on the tiny tokenizer's corpus through it
+    ds = make_dataset(dataset, cfg.resolution, 'train')
+    dl = make_dataloader(ds, batch_size=batch_size, caption_dropout=cfg_dropout)
+    corpus = collect_captions(dl, seed=seed) if cfg.text_encoder == 'tiny' else None
+    model = LatentDiffusion.from_config(cfg, corpus=corpus, seed=seed)
+    if cache_latents:  # every rank encodes the whole dataset once (the loader then shards the cache as usual)
+        ds = encode_once(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process)
+        dl = make_dataloader(ds, batch_size=batch_size, caption_dropout=cfg_dropout)
+    train(model, dl, tcfg, accelerator=acc)  # saves the final model to OUTPUT_DIR/model via model.save_pretrained
     return model
