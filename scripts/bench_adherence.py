@@ -6,7 +6,8 @@ from pathlib import Path
 import torch
 from fastcore.script import call_parse
 from imagegen.ldm import LatentDiffusion
-from imagegen.sampling import SAMPLERS, make_generators, make_scheduler, sample, save_grid
+from imagegen.grids import save_grid
+from imagegen.sampling import SAMPLERS, make_generators, make_scheduler, sample
 from imagegen.shapes import ShapesDataset, ShapesOracle, prompt as scene_prompt
 
 DEFAULT_CONFIGS = 'ddpm:1000,ddim:50,plms:50,euler_a:30,dpmpp_2m:10,dpmpp_2m:20,unipc:10'

@@ -6,7 +6,8 @@ from pathlib import Path
 from accelerate import Accelerator
 from fastcore.script import call_parse
 from imagegen.ldm import LatentDiffusion
-from imagegen.sampling import SAMPLERS, make_scheduler, sample_distributed, save_grid
+from imagegen.grids import save_grid
+from imagegen.sampling import SAMPLERS, make_scheduler, sample_distributed
 from imagegen.shapes import ShapesDataset, prompt as scene_prompt
 
 def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:str|None=None, shapes_level:int=1,
