@@ -43,10 +43,12 @@ def main(preset:str='tiny', # LDMConfig preset: tiny, tiny_pixel, small, sd15
          tracker:str='tensorboard', # 'tensorboard', 'mlflow', 'wandb' or 'none'
          seed:int=0, # random seed
          cache_latents:bool=False, # encode the dataset once with the frozen VAE and train on the cached latents (map-style data only)
+         latent_mode:bool=False, # with --cache_latents: train on the posterior mean instead of a fresh posterior sample each step
          train_text_encoder:bool=False, # train the tiny text encoder with the UNet
          pooled_text:bool=False, # also feed attention-pooled text into the UNet's time embedding
         ):
     "Train a LatentDiffusion model with the shared training loop and save it as a diffusers pipeline folder."
+    if latent_mode and not cache_latents: raise ValueError("--latent_mode needs --cache_latents (the mean is taken when the latents are cached).")
     from imagegen.data import make_dataloader, make_dataset
     from imagegen.ldm import cache_latents as encode_once
     from imagegen.training import TrainConfig, make_accelerator, train
@@ -63,7 +65,7 @@ def main(preset:str='tiny', # LDMConfig preset: tiny, tiny_pixel, small, sd15
     corpus = collect_captions(dl, seed=seed) if cfg.text_encoder == 'tiny' else None
     model = LatentDiffusion.from_config(cfg, corpus=corpus, seed=seed)
     if cache_latents:  # every rank encodes the whole dataset once (the loader then shards the cache as usual)
-        ds = encode_once(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process)
+        ds = encode_once(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process, mode=latent_mode)
         dl = make_dataloader(ds, batch_size=batch_size, caption_dropout=cfg_dropout)
     train(model, dl, tcfg, accelerator=acc)  # saves the final model to OUTPUT_DIR/model via model.save_pretrained
     return model
