@@ -5,7 +5,7 @@ import json, os
 from pathlib import Path
 from PIL import Image
 from fastcore.script import call_parse
-from imagegen.metrics import evaluate_images, write_metrics_json
+from imagegen.metrics import evaluate_images, first_stage_report, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
 
 def read_samples(folder:Path|str) -> list[dict]:
@@ -29,12 +29,20 @@ def real_images(rows:list[dict], real:str|None) -> list[Image.Image]|None:
     if real: return [Image.open(p).convert('RGB') for p in sorted(Path(real).glob('*')) if p.suffix.lower() in ('.png', '.jpg', '.jpeg', '.webp')]
     return None
 
+def first_stage(rows:list[dict], which:str|None) -> Path|None:
+    "The VAE folder whose reconstructions set the adherence ceiling: 'auto' is the sampled model's `vae/` (None when absent), '' none."
+    if not which: return None
+    if which != 'auto': return Path(which)
+    p = Path(rows[0].get('model') or '')/'vae'
+    return p if rows[0].get('model') and (p/'config.json').exists() else None
+
 @call_parse
 def main(samples:str='runs/samples', # folder written by scripts/sample.py
          out:str=None, # metrics JSON (default: SAMPLES/metrics.json)
          real:str='scenes', # FID/KID reference: 'scenes' (ground-truth renders of the prompts), a folder of images, or ''
          clip:str=None, # CLIP model name or local folder for CLIP score (skipped when not given)
          feature:str='auto', # FID/KID features: auto (Inception if torch-fidelity is installed, else random-conv), inception, random
+         vae:str='auto', # first-stage ceiling: oracle on this VAE's reconstructions of the true images ('auto': the model's vae/; '' skips)
         ):
     "Compute every metric the samples allow and write them as JSON."
     if int(os.environ.get('RANK', 0)) > 0: return None  # not the main process of a launch: rank 0 does it all
@@ -46,8 +54,17 @@ def main(samples:str='runs/samples', # folder written by scripts/sample.py
                         real_images=refs if refs and len(refs) >= 2 else None, clip=clip, oracle=ShapesOracle() if has_scenes else None,
                         feature=feature)
     m.update({k: rows[0].get(k) for k in ('sampler', 'steps', 'guidance', 'model') if k in rows[0]})
+    vae_dir = first_stage(rows, vae) if has_scenes else None
+    if vae_dir is not None:
+        from imagegen.autoencoders import ImageAutoencoder
+        ae = ImageAutoencoder.from_pretrained(str(vae_dir))
+        if not ae.is_pixel:
+            truth = refs if real == 'scenes' else real_images(rows, 'scenes')
+            m.update(first_stage_report(ae, truth, scenes, ShapesOracle()))
     path = write_metrics_json(out or Path(samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
+    if 'first_stage/color_and_shape' in m:
+        print(f"first-stage ceiling (oracle on VAE reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
     if 'fid' in m: print(f"FID {m['fid']:.2f}  KID {m['kid_mean']:.4f} ({m['fid_features']})")
     print(f"metrics written to {path}")
     return m

@@ -16,7 +16,9 @@ def main(output_dir:str='runs/vae', # run folder: checkpoints, samples, and the 
          l1_weight:float=1.0, # weight of the L1 reconstruction loss
          l2_weight:float=1.0, # weight of the L2 reconstruction loss
          batch_size:int=32, # per-process batch size
-         lr:float=1e-3, # learning rate
+         lr:float=1e-3, # peak learning rate
+         lr_scheduler:str='cosine', # diffusers scheduler name: cosine (decays to 0: the final weights are the good ones), constant_with_warmup, ...
+         warmup_steps:int=50, # learning-rate warmup (optimizer steps)
          max_steps:int=2000, # optimizer steps
          mixed_precision:str='no', # 'no', 'fp16' or 'bf16'
          tracker:str='tensorboard', # 'tensorboard', 'mlflow', 'wandb' or 'none'
@@ -29,6 +31,7 @@ def main(output_dir:str='runs/vae', # run folder: checkpoints, samples, and the 
                         kl_weight=kl_weight, l1_weight=l1_weight, l2_weight=l2_weight)
     dl = make_dataloader(dataset, batch_size=batch_size, resolution=resolution, split='train')
     cfg = TrainConfig(output_dir=output_dir, lr=lr, max_steps=max_steps, batch_size=batch_size,
-                      mixed_precision=mixed_precision, seed=seed, tracker=tracker)
+                      lr_scheduler=lr_scheduler, warmup_steps=warmup_steps, mixed_precision=mixed_precision,
+                      seed=seed, tracker=tracker)
     train(task, dl, cfg)  # saves the final VAE to OUTPUT_DIR/model via task.save_pretrained
     return task
