@@ -50,8 +50,8 @@ test: check sysdeps
 # The main job: Shapes -> tiny VAE -> tiny latent diffusion -> held-out prompts -> grid + metrics JSON.
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
 MAIN ?= runs/main
-VAE_STEPS ?= 600
-LDM_STEPS ?= 2500
+VAE_STEPS ?= 1000
+LDM_STEPS ?= 2200
 N_EVAL ?= 200
 N_TRAIN ?= 10000
 # on CPU, one process that uses every core (accelerate launch alone would pin it to one thread)

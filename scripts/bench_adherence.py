@@ -28,11 +28,11 @@ def bench_adherence(ldm:LatentDiffusion, configs:list[tuple[str, int]], n:int=20
     "Oracle report and seconds per image of `ldm` on `n` held-out Shapes prompts for each `(sampler, steps)`."
     ds = ShapesDataset('test', 1, n=n, seed=seed)
     scenes = [ds.scene(i) for i in range(n)]
-    prompts, oracle, ae, rows = [scene_prompt(s) for s in scenes], ShapesOracle(), ldm.autoencoder, []
+    prompts, oracle, rows = [scene_prompt(s) for s in scenes], ShapesOracle(), []
     for name, steps in configs:
         t0 = time.perf_counter()
-        ims = sample(ldm.unet, make_scheduler(name, ldm.scheduler), ldm.text_encoder, prompts, vae=None if ae.is_pixel else ae.vae,
-                     scaling_factor=ae.scaling_factor, guidance_scale=guidance, steps=steps, batch_size=batch_size,
+        ims = sample(ldm.unet, make_scheduler(name, ldm.scheduler), ldm.text_encoder, prompts, **ldm.decoder_kwargs,
+                     guidance_scale=guidance, steps=steps, batch_size=batch_size,
                      generator=make_generators([seed + i for i in range(n)]), progress=progress)
         dt = (time.perf_counter() - t0) / n
         r = oracle.report(ims, [s.to_dict() for s in scenes])

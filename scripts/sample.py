@@ -57,10 +57,8 @@ def main(model:str='runs/main/ldm/model', # trained LatentDiffusion folder (the 
     ldm = LatentDiffusion.from_pretrained(model).to(acc.device)
     ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed)
     seeds = [seed + i for i in range(len(ps))]
-    ae = ldm.autoencoder
     images = sample_distributed(acc, ldm.unet, make_scheduler(sampler, ldm.scheduler), ldm.text_encoder, ps, seeds,
-                                negative_prompt=negative_prompt, vae=None if ae.is_pixel else ae.vae,
-                                scaling_factor=ae.scaling_factor, guidance_scale=guidance, steps=steps, eta=eta,
+                                negative_prompt=negative_prompt, **ldm.decoder_kwargs, guidance_scale=guidance, steps=steps, eta=eta,
                                 batch_size=batch_size, progress=acc.is_main_process)
     if acc.is_main_process:
         write_samples(images, ps, scenes, seeds, out, dict(sampler=sampler, steps=steps, guidance=guidance, model=str(model)))
