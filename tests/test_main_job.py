@@ -10,5 +10,7 @@ def test_main_job_tiny(tmp_path):
     m = json.loads((out/'samples'/'metrics.json').read_text())
     assert m['n_images'] == 8 and 0 <= m['oracle/color_and_shape'] <= 1 and m['sampler'] == 'dpmpp_2m'
     assert 'fid' in m and m['fid_features']
+    assert m['first_stage/n'] == 8 and 0 <= m['first_stage/color_and_shape'] <= 1  # the VAE's ceiling, from the model's vae/
+    assert 'first-stage ceiling' in p.stdout
     assert (out/'samples'/'grid.png').exists() and (out/'ldm'/'model'/'model_index.json').exists()
     assert (out/'ldm'/'run_info.json').exists() and list((out/'ldm'/'logs').rglob('events.out.tfevents*'))
