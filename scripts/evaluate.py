@@ -5,6 +5,7 @@ import json, os
 from pathlib import Path
 from PIL import Image
 from fastcore.script import call_parse
+from imagegen.autoencoders import ImageAutoencoder
 from imagegen.metrics import evaluate_images, first_stage_report, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
 
@@ -33,8 +34,8 @@ def first_stage(rows:list[dict], which:str|None) -> Path|None:
     "The VAE folder whose reconstructions set the adherence ceiling: 'auto' is the sampled model's `vae/` (None when absent), '' none."
     if not which: return None
     if which != 'auto': return Path(which)
-    p = Path(rows[0].get('model') or '')/'vae'
-    return p if rows[0].get('model') and (p/'config.json').exists() else None
+    model = rows[0].get('model')
+    return Path(model)/'vae' if model and (Path(model)/'vae'/'config.json').exists() else None
 
 @call_parse
 def main(samples:str='runs/samples', # folder written by scripts/sample.py
@@ -56,7 +57,6 @@ def main(samples:str='runs/samples', # folder written by scripts/sample.py
     m.update({k: rows[0].get(k) for k in ('sampler', 'steps', 'guidance', 'model') if k in rows[0]})
     vae_dir = first_stage(rows, vae) if has_scenes else None
     if vae_dir is not None:
-        from imagegen.autoencoders import ImageAutoencoder
         ae = ImageAutoencoder.from_pretrained(str(vae_dir))
         if not ae.is_pixel:
             truth = refs if real == 'scenes' else real_images(rows, 'scenes')
