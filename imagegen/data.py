@@ -15,7 +15,7 @@ from .shapes import ShapesDataset, flip_caption, flip_scene
 
 # %% auto #0
 __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'to_rgb', 'BadImage', 'open_image',
-           'resize_shorter', 'center_crop', 'random_crop', 'to_tensor', 'ImageTransform', 'BadDataError',
+           'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values', 'ImageTransform', 'BadDataError',
            'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder', 'write_shards',
            'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample', 'dist_info', 'ShardSource', 'load_hf',
            'HFSource', 'make_dataset', 'CaptionCollator', 'make_dataloader']
@@ -72,7 +72,7 @@ def random_crop(img:Image.Image, size:int) -> Image.Image:
     l, t = (int(torch.randint(w - size + 1, ())), int(torch.randint(h - size + 1, ())))
     return img.crop((l, t, l + size, t + size))
 
-def to_tensor(img:Image.Image) -> torch.Tensor:
+def to_pixel_values(img:Image.Image) -> torch.Tensor:
     "RGB PIL image -> float tensor (3, H, W) in [-1, 1]."
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 127.5 - 1
 
@@ -89,7 +89,7 @@ class ImageTransform:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
             if scene is not None or self.swap_lr_words: captions = [flip_caption(c) for c in captions]
             scene = flip_scene(scene)
-        return to_tensor(img), captions, scene
+        return to_pixel_values(img), captions, scene
 
 # %% ../nbs/01a_data.ipynb #daa8181a
 log = logging.getLogger('imagegen.data')

@@ -32,19 +32,27 @@ def _wrap(caption:str, width_px:int, font) -> list[str]:
         else: lines.append(word)
     return lines or ['']
 
+def _fit(lines:list[str], max_lines:int, width_px:int, font) -> list[str]:
+    "At most `max_lines` lines, the last one ending in an ellipsis when text was cut."
+    if len(lines) <= max_lines: return lines
+    last = ' '.join(lines[max_lines - 1:])
+    while last and font.getlength(last + '…') > width_px: last = last[:-1]
+    return lines[:max_lines - 1] + [last.rstrip() + '…']
+
 # %% ../nbs/00a_grids.ipynb #870c25ff
 def make_grid(images, captions:Sequence[str]|None=None, ncols:int|None=None, pad:int=2, cell:int|None=None,
-              line_px:int=11, value_range:tuple[float, float]=(0, 1)) -> Image.Image:
-    "One PIL image: `images` in rows of `ncols` (default: about square), each upscaled to `cell` px wide if given, with its wrapped caption below."
+              line_px:int=11, value_range:tuple[float, float]=(0, 1), min_cell:int|None=None, max_lines:int=3) -> Image.Image:
+    "One PIL image: `images` in rows of `ncols` (default: about square), each upscaled to `cell` px wide (or by a whole factor to at least `min_cell` px), with its caption wrapped to at most `max_lines` lines below."
     ims = to_pil(images, value_range)
     if not ims: raise ValueError("make_grid: no images.")
     if captions is not None and len(captions) != len(ims): raise ValueError(f"{len(captions)} captions for {len(ims)} images.")
+    if cell is None and min_cell: cell = max(i.width for i in ims) * max(1, math.ceil(min_cell / max(i.width for i in ims)))
     if cell: ims = [im.resize((cell, max(1, round(im.height * cell / im.width))), Image.NEAREST) for im in ims]
     w, h = max(i.width for i in ims), max(i.height for i in ims)
     ncols = ncols or math.ceil(math.sqrt(len(ims)))
     nrows = math.ceil(len(ims) / ncols)
     font = ImageFont.load_default()
-    lines = [_wrap(c, w, font) for c in captions] if captions is not None else None
+    lines = [_fit(_wrap(c, w, font), max_lines, w, font) for c in captions] if captions is not None else None
     cap_h = (max(map(len, lines)) * line_px + pad) if lines else 0
     grid = Image.new('RGB', (ncols * (w + pad) + pad, nrows * (h + cap_h + pad) + pad), 'white')
     draw = ImageDraw.Draw(grid)

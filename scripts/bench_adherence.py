@@ -5,9 +5,9 @@ import json, time
 from pathlib import Path
 import torch
 from fastcore.script import call_parse
-from imagegen.ldm import LatentDiffusion
+from imagegen.diffusion.ldm import LatentDiffusion
 from imagegen.grids import save_grid
-from imagegen.sampling import SAMPLERS, make_generators, make_scheduler, sample
+from imagegen.diffusion.sampling import SAMPLERS, make_generators, make_scheduler, sample
 from imagegen.shapes import ShapesDataset, ShapesOracle, prompt as scene_prompt
 
 DEFAULT_CONFIGS = 'ddpm:1000,ddim:50,plms:50,euler_a:30,dpmpp_2m:10,dpmpp_2m:20,unipc:10'
@@ -31,7 +31,7 @@ def bench_adherence(ldm:LatentDiffusion, configs:list[tuple[str, int]], n:int=20
     prompts, oracle, rows = [scene_prompt(s) for s in scenes], ShapesOracle(), []
     for name, steps in configs:
         t0 = time.perf_counter()
-        ims = sample(ldm.unet, make_scheduler(name, ldm.scheduler), ldm.text_encoder, prompts, **ldm.decoder_kwargs,
+        ims = sample(ldm.unet, make_scheduler(name, ldm.scheduler), ldm.text_encoder, prompts, autoencoder=ldm.autoencoder,
                      guidance_scale=guidance, steps=steps, batch_size=batch_size,
                      generator=make_generators([seed + i for i in range(n)]), progress=progress)
         dt = (time.perf_counter() - t0) / n

@@ -4,7 +4,8 @@ from __future__ import annotations
 import time, statistics
 import torch
 from fastcore.script import call_parse
-from imagegen.sampling import make_generators, make_scheduler, sample, tiny_sd_components, to_pipeline
+from imagegen.autoencoders.kl import ImageAutoencoder
+from imagegen.diffusion.sampling import make_generators, make_scheduler, sample, tiny_sd_components, to_pipeline
 
 def time_once(fn) -> float:
     "Wall-clock seconds of one call of `fn`."
@@ -21,7 +22,7 @@ def bench(samplers:list[str], steps:int=20, batch:int=4, repeats:int=5, guidance
     for name in samplers:
         sched = make_scheduler(name, c['scheduler'])
         pipe.scheduler = sched
-        ours = lambda: sample(c['unet'], sched, (c['tokenizer'], c['text_encoder']), prompts, vae=c['vae'], steps=steps,
+        ours = lambda: sample(c['unet'], sched, (c['tokenizer'], c['text_encoder']), prompts, autoencoder=ImageAutoencoder(c['vae']), steps=steps,
                               guidance_scale=guidance, generator=make_generators(batch), progress=False)
         theirs = lambda: pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, generator=make_generators(batch))
         ours(); theirs()  # warm-up
@@ -40,7 +41,7 @@ def format_table(rows:list[dict]) -> str:
     return '\n'.join([head, '-' * len(head), *lines])
 
 @call_parse
-def main(samplers:str='ddim,euler_a,dpmpp_2m_karras', # comma-separated sampler names (see imagegen.sampling.SAMPLERS)
+def main(samplers:str='ddim,euler_a,dpmpp_2m_karras', # comma-separated sampler names (see imagegen.diffusion.sampling.SAMPLERS)
          steps:int=20, # denoising steps
          batch:int=4, # images per call
          repeats:int=5, # timed rounds per implementation (alternating)

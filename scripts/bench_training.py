@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from fastcore.script import call_parse
 from diffusers import UNet2DConditionModel
-from imagegen.training import TrainConfig, train
+from imagegen.training.loop import TrainConfig, train
 
 def tiny_unet(resolution:int=32, channels:int=4, text_dim:int=64, seed:int=0) -> UNet2DConditionModel:
     "A small text-conditioned UNet (attention only at the lower resolution)."
@@ -48,7 +48,7 @@ def bare_loop(steps:int, batch_size:int, resolution:int, device:str, mixed_preci
     return (steps - 2) * batch_size / (time.perf_counter() - t0)
 
 def our_loop(steps:int, batch_size:int, resolution:int, mixed_precision:str='no', lr:float=1e-4, **cfg) -> float:
-    "Images/s of `imagegen.training.train` on the same model and data (its own timing: updates 3..steps)."
+    "Images/s of `imagegen.training.loop.train` on the same model and data (its own timing: updates 3..steps)."
     with tempfile.TemporaryDirectory() as d:
         c = TrainConfig(output_dir=d, max_steps=steps, lr=lr, lr_scheduler='constant', tracker='none', checkpoint_every=None,
                         save_model=False, log_every=10, mixed_precision=mixed_precision, resume=None, **cfg)

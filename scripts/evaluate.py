@@ -5,7 +5,7 @@ import json, os
 from pathlib import Path
 from PIL import Image
 from fastcore.script import call_parse
-from imagegen.autoencoders import ImageAutoencoder
+from imagegen.autoencoders.kl import ImageAutoencoder
 from imagegen.metrics import evaluate_images, first_stage_report, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
 

@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 from accelerate import Accelerator
 from fastcore.script import call_parse
-from imagegen.ldm import LatentDiffusion
+from imagegen.diffusion.ldm import LatentDiffusion
 from imagegen.grids import save_grid
-from imagegen.sampling import SAMPLERS, make_scheduler, sample_distributed
+from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
 from imagegen.shapes import ShapesDataset, prompt as scene_prompt
 
 def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:str|None=None, shapes_level:int=1,
@@ -32,7 +32,7 @@ def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:P
         for i, (im, p, s, sd) in enumerate(zip(images, prompts, scenes, seeds)):
             im.save(out/f'{i:06d}.png')
             f.write(json.dumps({'file_name': f'{i:06d}.png', 'prompt': p, 'seed': sd, 'scene': s, **meta}) + '\n')
-    save_grid(images[:64], out/'grid.png', captions=prompts[:64], ncols=8)
+    save_grid(images[:64], out/'grid.png', captions=prompts[:64], ncols=8, min_cell=128)
     return out
 
 @call_parse
@@ -58,7 +58,7 @@ def main(model:str='runs/main/ldm/model', # trained LatentDiffusion folder (the 
     ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed)
     seeds = [seed + i for i in range(len(ps))]
     images = sample_distributed(acc, ldm.unet, make_scheduler(sampler, ldm.scheduler), ldm.text_encoder, ps, seeds,
-                                negative_prompt=negative_prompt, **ldm.decoder_kwargs, guidance_scale=guidance, steps=steps, eta=eta,
+                                negative_prompt=negative_prompt, autoencoder=ldm.autoencoder, guidance_scale=guidance, steps=steps, eta=eta,
                                 batch_size=batch_size, progress=acc.is_main_process)
     if acc.is_main_process:
         write_samples(images, ps, scenes, seeds, out, dict(sampler=sampler, steps=steps, guidance=guidance, model=str(model)))

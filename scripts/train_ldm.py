@@ -3,7 +3,7 @@
 from __future__ import annotations
 from pathlib import Path
 from fastcore.script import call_parse
-from imagegen.ldm import LatentDiffusion, ldm_config
+from imagegen.diffusion.ldm import LatentDiffusion, ldm_config
 
 def collect_captions(dl, n_batches:int=50, seed:int=0) -> list[str]:
     "Non-empty captions of the first `n_batches` batches (the corpus for a tiny tokenizer): the same in every run, and rank 0's on every rank."
@@ -32,7 +32,7 @@ def main(preset:str='tiny', # LDMConfig preset: tiny, tiny_pixel, small, sd15
          batch_size:int=32, # per-process batch size
          lr:float=1e-4, # learning rate
          max_steps:int=10000, # optimizer steps
-         mixed_precision:str='no', # 'no', 'fp16' or 'bf16'
+         mixed_precision:str=None, # 'no', 'fp16' or 'bf16'; default: what `accelerate launch --mixed_precision` / `accelerate config` chose
          lr_scheduler:str='constant_with_warmup', # diffusers scheduler name: constant_with_warmup, cosine, ...
          warmup_steps:int=100, # learning-rate warmup (optimizer steps)
          ema:bool=False, # keep an EMA of the UNet, used for samples and the saved model
@@ -50,8 +50,8 @@ def main(preset:str='tiny', # LDMConfig preset: tiny, tiny_pixel, small, sd15
     "Train a LatentDiffusion model with the shared training loop and save it as a diffusers pipeline folder."
     if latent_mode and not cache_latents: raise ValueError("--latent_mode needs --cache_latents (the mean is taken when the latents are cached).")
     from imagegen.data import make_dataloader, make_dataset
-    from imagegen.ldm import cache_latents as encode_once
-    from imagegen.training import TrainConfig, make_accelerator, train
+    from imagegen.diffusion.ldm import cache_latents as encode_once
+    from imagegen.training.loop import TrainConfig, make_accelerator, train
     over = {k: v for k, v in dict(resolution=resolution, vae=vae, text_encoder=text_encoder).items() if v is not None}
     cfg = ldm_config(preset, prediction_type=prediction_type, snr_gamma=snr_gamma, noise_offset=noise_offset,
                      train_text_encoder=train_text_encoder, pooled_text=pooled_text, **over)
@@ -67,5 +67,6 @@ def main(preset:str='tiny', # LDMConfig preset: tiny, tiny_pixel, small, sd15
     if cache_latents:  # every rank encodes the whole dataset once (the loader then shards the cache as usual)
         ds = encode_once(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process, mode=latent_mode)
         dl = make_dataloader(ds, batch_size=batch_size, caption_dropout=cfg_dropout)
-    train(model, dl, tcfg, accelerator=acc)  # saves the final model to OUTPUT_DIR/model via model.save_pretrained
+    data = dict(dataset=dataset, resolution=cfg.resolution, caption_dropout=cfg_dropout, cache_latents=cache_latents, latent_mode=latent_mode)
+    train(model, dl, tcfg, accelerator=acc, sections={'data': data})  # saves the final model to OUTPUT_DIR/model via model.save_pretrained
     return model

@@ -3,7 +3,7 @@
 from __future__ import annotations
 from pathlib import Path
 from fastcore.script import call_parse
-from imagegen.autoencoders import VAETask
+from imagegen.autoencoders.kl import VAETask
 
 @call_parse
 def main(output_dir:str='runs/vae', # run folder: checkpoints, samples, and the final VAE in OUTPUT_DIR/model
@@ -20,18 +20,21 @@ def main(output_dir:str='runs/vae', # run folder: checkpoints, samples, and the 
          lr_scheduler:str='cosine', # diffusers scheduler name: cosine (decays to 0: the final weights are the good ones), constant_with_warmup, ...
          warmup_steps:int=50, # learning-rate warmup (optimizer steps)
          max_steps:int=2000, # optimizer steps
-         mixed_precision:str='no', # 'no', 'fp16' or 'bf16'
+         mixed_precision:str=None, # 'no', 'fp16' or 'bf16'; default: what `accelerate launch --mixed_precision` / `accelerate config` chose
          tracker:str='tensorboard', # 'tensorboard', 'mlflow', 'wandb' or 'none'
          seed:int=0, # random seed
+         sample_every:int=250, # optimizer steps between reconstruction grids (original | reconstruction), saved and logged
         ):
     "Train a small AutoencoderKL with the shared training loop and save it with a data-derived scaling factor."
     from imagegen.data import make_dataloader
-    from imagegen.training import TrainConfig, train
+    from imagegen.training.loop import TrainConfig, train
     task = VAETask.tiny(resolution, n_down, base_channels, latent_channels, seed=seed,
                         kl_weight=kl_weight, l1_weight=l1_weight, l2_weight=l2_weight)
     dl = make_dataloader(dataset, batch_size=batch_size, resolution=resolution, split='train')
     cfg = TrainConfig(output_dir=output_dir, lr=lr, max_steps=max_steps, batch_size=batch_size,
                       lr_scheduler=lr_scheduler, warmup_steps=warmup_steps, mixed_precision=mixed_precision,
-                      seed=seed, tracker=tracker)
-    train(task, dl, cfg)  # saves the final VAE to OUTPUT_DIR/model via task.save_pretrained
+                      seed=seed, tracker=tracker, sample_every=sample_every, n_samples=8)
+    data = dict(dataset=dataset, resolution=resolution)
+    train(task, dl, cfg, sections={'model': dict(n_down=n_down, base_channels=base_channels, latent_channels=latent_channels,
+                                                 kl_weight=kl_weight, l1_weight=l1_weight, l2_weight=l2_weight), 'data': data})  # saves the final VAE to OUTPUT_DIR/model via task.save_pretrained
     return task

@@ -51,7 +51,7 @@ def _flat(params):
 
 
 def _instrument_training():
-    import imagegen.training as T
+    import imagegen.training.loop as T
     _loss, _resume, _start_logging, _fit = T.Trainer._loss, T.Trainer._resume, T.Trainer._start_logging, T.Trainer.fit
     def loss(self, batch):
         b = batch if isinstance(batch, dict) else {}

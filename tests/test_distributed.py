@@ -140,7 +140,7 @@ SHARD_TRAIN = textwrap.dedent('''
     import sys, torch
     from torch import nn
     from imagegen.data import make_dataloader, make_dataset
-    from imagegen.training import TrainConfig, train
+    from imagegen.training.loop import TrainConfig, train
     class Tiny:
         def __init__(self):
             torch.manual_seed(0); self.trainable = nn.Linear(3, 3)

@@ -34,7 +34,7 @@ def test_features_fixed_across_instances():
     assert not torch.equal(RandomConvFeatures(seed=0)(x), RandomConvFeatures(seed=1)(x))
 
 def test_pil_input_matches_tensor(sets):
-    from imagegen.sampling import to_pil
+    from imagegen.grids import to_pil
     a, b = sets
     a8, b8 = (a * 255).round() / 255, (b * 255).round() / 255
     r1, r2 = fid_kid(a8, b8, feature='random'), fid_kid(to_pil(a8), to_pil(b8), feature='random')

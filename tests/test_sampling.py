@@ -5,8 +5,9 @@ from pathlib import Path
 import os, tempfile
 from pathlib import Path
 import pytest, torch
-from imagegen.sampling import (SAMPLERS, make_generators, make_grid, make_scheduler, sample, sample_distributed,
-                               save_grid, tiny_sd_components, to_pipeline)
+from imagegen.autoencoders.kl import ImageAutoencoder
+from imagegen.diffusion.sampling import SAMPLERS, make_generators, make_scheduler, sample, sample_distributed, tiny_sd_components, to_pipeline
+from imagegen.grids import make_grid, save_grid
 
 PROMPTS = ['a red circle', 'a blue square', 'two green dots']
 
@@ -16,7 +17,7 @@ def comps(): return tiny_sd_components(seed=0)
 def ours(c, name, prompts=PROMPTS, seeds=(0, 1, 2), **kw):
     kw = {'guidance_scale': 5.0, 'steps': 5, 'output': 'pt', 'progress': False, **kw}
     return sample(c['unet'], make_scheduler(name, c['scheduler']), (c['tokenizer'], c['text_encoder']), prompts,
-                  vae=c['vae'], generator=make_generators(seeds), **kw)
+                  autoencoder=ImageAutoencoder(c['vae']), generator=make_generators(seeds), **kw)
 
 @pytest.mark.parametrize('name,guidance,neg', [('ddim', 5.0, None), ('euler_a', 7.0, 'blurry'), ('dpmpp_2m_karras', 3.0, None),
                                                ('plms', 5.0, 'red'), ('heun', 2.0, None), ('ddpm', 1.0, None), ('unipc', 4.0, None)])
@@ -66,15 +67,15 @@ def test_negative_prompt_changes_output(comps):
     assert (plain - neg).abs().max() > 1e-3
 
 def test_custom_encode_callable(comps):
-    from imagegen.sampling import clip_encoder
+    from imagegen.diffusion.sampling import clip_encoder
     enc = clip_encoder(comps['tokenizer'], comps['text_encoder'])
     a = ours(comps, 'ddim', steps=2)
-    b = sample(comps['unet'], make_scheduler('ddim', comps['scheduler']), enc, PROMPTS, vae=comps['vae'], guidance_scale=5.0,
+    b = sample(comps['unet'], make_scheduler('ddim', comps['scheduler']), enc, PROMPTS, autoencoder=ImageAutoencoder(comps['vae']), guidance_scale=5.0,
                steps=2, output='pt', progress=False, generator=make_generators([0, 1, 2]))
     assert (a - b).abs().max() < 1e-6
     bad = lambda ps: torch.zeros(len(ps), 3 + len(ps[0]), 32)
     with pytest.raises(ValueError, match='pad to a fixed length'):
-        sample(comps['unet'], comps['scheduler'], bad, ['long prompt'], vae=comps['vae'], steps=1, progress=False)
+        sample(comps['unet'], comps['scheduler'], bad, ['long prompt'], autoencoder=ImageAutoencoder(comps['vae']), steps=1, progress=False)
 
 def _two_ranks(worker:str, out): two_ranks(__file__, worker, out)
 
@@ -83,7 +84,7 @@ def _distributed_worker(out):
     acc = Accelerator(cpu=True)
     c = tiny_sd_components(seed=0)
     ims = sample_distributed(acc, c['unet'], make_scheduler('euler_a', c['scheduler']), (c['tokenizer'], c['text_encoder']),
-                             PROMPTS, [0, 1, 2], vae=c['vae'], steps=3, guidance_scale=4.0, output='pt', progress=False)
+                             PROMPTS, [0, 1, 2], autoencoder=ImageAutoencoder(c['vae']), steps=3, guidance_scale=4.0, output='pt', progress=False)
     if acc.is_main_process: torch.save({'ims': torch.stack(ims), 'n': acc.num_processes}, out)
 
 def test_distributed_matches_single_process(comps, tmp_path):

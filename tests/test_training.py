@@ -1,4 +1,4 @@
-"Tests of the shared training loop (imagegen.training): tiny models, CPU, synthetic data."
+"Tests of the shared training loop (imagegen.training.*): tiny models, CPU, synthetic data."
 import json, os, signal, subprocess, sys, textwrap, time, warnings
 from pathlib import Path
 
@@ -6,8 +6,9 @@ import numpy as np, pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from imagegen.training import (TrainConfig, Trainer, train, Preempted, NonFiniteLossError, ConfigError, EXIT_PREEMPTED,
-                               list_checkpoints, latest_checkpoint, save_checkpoint, make_accelerator)
+from imagegen.config import ConfigError
+from imagegen.training.checkpoints import EXIT_PREEMPTED, Preempted, latest_checkpoint, list_checkpoints, save_checkpoint
+from imagegen.training.loop import NonFiniteLossError, TrainConfig, Trainer, make_accelerator, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ def test_loss_goes_down(tmp_path):
     assert res['status'] == 'finished' and res['step'] == 40
     assert (tmp_path/'model'/'model.safetensors').exists()
     info = json.loads((tmp_path/'run_info.json').read_text())
-    assert info['config']['max_steps'] == 40 and 'commit' in info['git'] and info['imagegen_version']
+    assert info['config']['train']['max_steps'] == 40 and 'commit' in info['git'] and info['imagegen_version']
 
 
 def test_ema_changes_only_on_sync_steps(tmp_path):
@@ -114,7 +115,7 @@ CHILD = textwrap.dedent('''
     import os, signal, sys, time, torch
     sys.path.insert(0, {tests!r})
     from test_training import Regression, data, cfg
-    from imagegen.training import Trainer
+    from imagegen.training.loop import Trainer
     import accelerate
     mode, out = sys.argv[1], sys.argv[2]
     task = Regression()
@@ -206,8 +207,8 @@ def test_bf16_keeps_fp32_weights_and_fp16_weights_rejected(tmp_path):
 def test_tensorboard_logs_and_sample_grids(tmp_path):
     from PIL import Image
     class WithSamples(Regression):
-        def sample(self, model, n, step):
-            assert not model.training
+        def sample(self, n, step):
+            assert not self.trainable.training
             return [Image.new('RGB', (8, 8), (step*10 % 255, 0, 0))] * n
     train(WithSamples(), data(), cfg(tmp_path, max_steps=4, tracker='tensorboard', sample_every=2, ema=True, run_name='r1'))
     assert sorted(p.name for p in (tmp_path/'samples').iterdir()) == ['step_00000002.png', 'step_00000004.png']
