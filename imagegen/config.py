@@ -4,14 +4,15 @@
 
 # %% ../nbs/00b_config.ipynb #ae8684dc
 from __future__ import annotations
-import dataclasses, difflib, types, typing
+import argparse, dataclasses, difflib, types, typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 import yaml
 
 # %% auto #0
-__all__ = ['ConfigError', 'Config']
+__all__ = ['IGNORED_SECTIONS', 'ConfigError', 'Config', 'read_run_file', 'resolve_run', 'run_yaml', 'Flag', 'run_parser',
+           'parse_run']
 
 # %% ../nbs/00b_config.ipynb #61751582
 class ConfigError(ValueError):
@@ -52,7 +53,8 @@ def _coerce(val, hint, where:str):
         items = [_coerce(v.strip() if isinstance(v, str) else v, args[0], where) if args else v for v in val]
         return tuple(items) if (origin or hint) is tuple else items
     if origin is dict or hint is dict:
-        if isinstance(val, str): val = yaml.safe_load(val) or {}
+        if isinstance(val, str):  # 'phase=pretrain,res=32' (command line) or a YAML/JSON mapping
+            val = yaml.safe_load(val) if val.strip().startswith('{') else dict(kv.split('=', 1) for kv in val.split(',') if '=' in kv)
         if not isinstance(val, dict): raise ConfigError(f"{where}: expected a mapping, got {val!r}.")
         return {str(k): v for k, v in val.items()}
     return val
@@ -109,11 +111,11 @@ class Config:
         if not isinstance(d, dict): raise ConfigError(f"{path}: expected a mapping of field: value, got {type(d).__name__}.")
         return cls.from_dict({**d, **overrides}, source=str(path))
 
-    def override(self, d:dict|None=None, skip_none:bool=False, **kw):
-        "A copy with fields from `d` and `kw` replaced; `skip_none` ignores None values (CLI arguments not given)."
+    def override(self, d:dict|None=None, skip_none:bool=False, source:str='override', **kw):
+        "A copy with fields from `d` and `kw` replaced; `skip_none` ignores None values (CLI arguments not given); errors name `source`."
         new = {**(d or {}), **kw}
         if skip_none: new = {k: v for k, v in new.items() if v is not None}
-        return dataclasses.replace(self, **type(self).check_fields(new, 'override'))
+        return dataclasses.replace(self, **type(self).check_fields(new, source))
 
     def to_dict(self) -> dict:
         "Plain JSON/YAML-ready fields (tuples become lists)."
@@ -124,3 +126,123 @@ class Config:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         if path is not None: Path(path).write_text(text)
         return text
+
+# %% ../nbs/00b_config.ipynb #67d1d4af
+IGNORED_SECTIONS = ('launcher',)
+
+def read_run_file(path:str|Path, sections) -> dict[str, dict]:
+    "The sections of run file `path` (YAML or JSON): `{section: {field: value}}`; an unknown section is a `ConfigError`."
+    path = Path(path)
+    if not path.exists(): raise ConfigError(f"config file {path} does not exist.")
+    try: d = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e: raise ConfigError(f"{path}: not valid YAML ({e}).") from e
+    if isinstance(d, dict) and 'config' in d and isinstance(d['config'], dict) and 'run_name' in d: d = d['config']  # a run_info.json
+    if not isinstance(d, dict): raise ConfigError(f"{path}: expected sections ({', '.join(sections)}) mapping field: value, got {type(d).__name__}.")
+    out = {}
+    for name, fields_ in d.items():
+        if name in IGNORED_SECTIONS: continue
+        if name not in sections:
+            close = difflib.get_close_matches(str(name), list(sections), n=1)
+            raise ConfigError(f"{path}: unknown section {name!r}" + (f" (did you mean {close[0]!r}?)" if close else '')
+                              + f"; this script reads {', '.join(sections)}.")
+        if not isinstance(fields_, dict): raise ConfigError(f"{path}: section {name!r} must map field: value, got {fields_!r}.")
+        out[name] = dict(fields_)
+    return out
+
+def resolve_run(defaults:dict[str, Config], path:str|Path|None=None, overrides:dict[str, dict]|None=None) -> dict[str, Config]:
+    "Each section of `defaults` with its preset, then the file at `path`, then `overrides` (e.g. from the command line) applied."
+    filed = read_run_file(path, defaults) if path else {}
+    bad = set(overrides or {}) - set(defaults)
+    if bad: raise ConfigError(f"unknown section(s) {sorted(bad)}; this script reads {', '.join(defaults)}.")
+    out = {}
+    for name, base in defaults.items():
+        layers = [(str(path), filed.get(name, {})), ('command line', (overrides or {}).get(name, {}))]
+        preset = next((d['preset'] for _, d in reversed(layers) if d.get('preset') is not None), None)
+        cfg = base if preset is None else base.override(type(base).preset_dict(preset), source=f"{name} preset {preset!r}")
+        for source, d in layers:
+            d = {k: v for k, v in d.items() if k != 'preset'}
+            if d: cfg = cfg.override(d, source=f"{source}: {name}")
+        out[name] = cfg
+    return out
+
+def run_yaml(configs:dict[str, Config], path:str|Path|None=None) -> str:
+    "The run's sections as YAML (what `--config` reads); also written to `path` when given."
+    text = yaml.safe_dump({k: c.to_dict() for k, c in configs.items()}, sort_keys=False)
+    if path is not None: Path(path).write_text(text)
+    return text
+
+# %% ../nbs/00b_config.ipynb #ac431f63
+@dataclass(frozen=True)
+class Flag:
+    "A command-line flag `name` (plus `aliases`) that sets field(s) `target`, `'section.field'` or a tuple of them."
+    name: str
+    target: str|tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    help: str|None = None
+    @property
+    def targets(self) -> tuple[str, ...]: return (self.target,) if isinstance(self.target, str) else tuple(self.target)
+
+def _field_help(cls) -> dict[str, str]:
+    "A config class's field comments (fastcore's `docments`), used as flag help."
+    from fastcore.docments import docments
+    try: return {k: v for k, v in docments(cls).items() if v}
+    except Exception: return {}
+
+def _arg_kwargs(hint) -> dict:
+    "argparse keywords for a field of type `hint`: bare booleans, several values for lists."
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    h = args[0] if len(args) == 1 else None
+    if h is bool: return dict(nargs='?', const='true', metavar='BOOL')
+    if h in (list, tuple) or typing.get_origin(h) in (list, tuple): return dict(nargs='+')
+    return {}
+
+def run_parser(defaults:dict[str, Config], flags:list[Flag]=(), description:str|None=None, prog:str|None=None) -> argparse.ArgumentParser:
+    "An `ArgumentParser` with `--config FILE`, the `flags`, every field as `--section.field`, and unique field names as `--field`."
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                argument_default=argparse.SUPPRESS, usage='%(prog)s [--config FILE] [--FLAG VALUE ...]')
+    p.add_argument('--config', metavar='FILE', help="YAML file with sections " + ', '.join(f'{s}:' for s in defaults)
+                   + " (a run's config.yaml or run_info.json works); flags given here override it")
+    types_ = {s: type(c).field_types() for s, c in defaults.items()}
+    helps = {s: _field_help(type(c)) for s, c in defaults.items()}
+    def describe(target):
+        s, _, f = target.partition('.')
+        if s not in defaults: raise ConfigError(f"flag target {target!r}: no section {s!r} (sections: {', '.join(defaults)}).")
+        if f != 'preset' and f not in types_[s]: raise ConfigError(f"flag target {target!r}: {type(defaults[s]).__name__} has no field {f!r}.")
+        if f == 'preset': return f"{s} preset: one of {', '.join(sorted(type(defaults[s]).presets))}", {'metavar': 'NAME'}
+        return f"{helps[s].get(f, f)} (default: {getattr(defaults[s], f)!r})", {'metavar': f.upper(), **_arg_kwargs(types_[s][f])}
+    taken = {'--config', '-h', '--help'}
+    g = p.add_argument_group('common flags')
+    for fl in flags:
+        text, kw = describe(fl.targets[0])
+        for t in fl.targets[1:]: describe(t)
+        g.add_argument(fl.name, *fl.aliases, dest='|'.join(fl.targets), help=fl.help or text, **kw)
+        taken |= {fl.name, *fl.aliases}
+    counts = {}
+    for s in defaults:
+        for f in types_[s]: counts[f] = counts.get(f, 0) + 1
+    for s, c in defaults.items():
+        g = p.add_argument_group(f"{s} ({type(c).__name__}); every field also as --{s}.FIELD")
+        text, kw = describe(f'{s}.preset')
+        g.add_argument(f'--{s}.preset', dest=f'{s}.preset', help=text, **kw)
+        for f in types_[s]:
+            text, kw = describe(f'{s}.{f}')
+            names = [f'--{s}.{f}'] + ([f'--{f}'] if counts[f] == 1 and f'--{f}' not in taken else [])
+            g.add_argument(*names, dest=f'{s}.{f}', help=text if len(names) > 1 else argparse.SUPPRESS, **kw)
+    return p
+
+def parse_run(defaults:dict[str, Config], flags:list[Flag]=(), argv:list[str]|None=None, description:str|None=None,
+              prog:str|None=None) -> dict[str, Config]:
+    "Resolve the run's configs from `--config` and the flags in `argv` (default `sys.argv[1:]`); a bad value exits with usage and the reason."
+    p = run_parser(defaults, flags, description, prog)
+    ns = vars(p.parse_args(argv))
+    path, overrides = ns.pop('config', None), {}
+    for dest, v in ns.items():
+        if isinstance(v, list) and len(v) == 1 and ',' in v[0]:  # '--block_out_channels 64,128'
+            s, _, f = dest.split('|')[0].partition('.')
+            hint = type(defaults[s]).field_types().get(f)
+            if str not in typing.get_args(hint) and 'str' not in str(hint): v = v[0]
+        for t in dest.split('|'):
+            s, _, f = t.partition('.')
+            overrides.setdefault(s, {})[f] = v
+    try: return resolve_run(defaults, path, overrides)
+    except ConfigError as e: p.error(str(e))

@@ -11,14 +11,17 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from dataclasses import dataclass
+from .config import Config, ConfigError, Flag
 from .shapes import ShapesDataset, flip_caption, flip_scene
 
 # %% auto #0
-__all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'to_rgb', 'BadImage', 'open_image',
-           'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values', 'ImageTransform', 'BadDataError',
-           'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder', 'write_shards',
-           'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample', 'dist_info', 'ShardSource', 'load_hf',
-           'HFSource', 'make_dataset', 'CaptionCollator', 'make_dataloader']
+__all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'DATA_FLAGS', 'to_rgb', 'BadImage',
+           'open_image', 'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values', 'ImageTransform',
+           'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder',
+           'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample', 'dist_info', 'ShardSource',
+           'load_hf', 'HFSource', 'make_dataset', 'CaptionCollator', 'make_dataloader', 'DataConfig', 'is_shapes',
+           'shapes_prompts']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -527,3 +530,54 @@ def make_dataloader(source, batch_size:int=32, resolution:int=32, split:str='tra
                     persistent_workers=False)
     dl.self_sharded = False
     return dl
+
+# %% ../nbs/01a_data.ipynb #b3216b15
+@dataclass
+class DataConfig(Config):
+    "The data section of a run: source, columns, augmentation, caption dropout, loader workers."
+    dataset: str = 'shapes'          # 'shapes[:opts]', an image folder (metadata.jsonl), WebDataset shards (.tar pattern/URL) or a Hub dataset id
+    split: str = 'train'
+    image_column: str|None = None    # Hub datasets: the image column (default: the first image feature)
+    caption_column: str|None = None  # caption column / metadata key (default: 'text', then 'caption')
+    center_crop: bool = True         # resize the shorter side, then crop the centre (False: a random crop)
+    random_flip: bool = False        # flip half of the images horizontally (Shapes scenes and captions are mirrored too)
+    caption_dropout: float = 0.0     # probability that a caption becomes '' (classifier-free guidance)
+    num_workers: int = 0             # DataLoader worker processes
+    cache_dir: str|None = None       # Hub datasets cache
+    max_bad_frac: float = 0.05       # abort when more than this fraction of samples cannot be read
+
+    presets = {'default': {}, 'shapes': {}}
+
+    def __post_init__(self):
+        if not 0 <= self.caption_dropout <= 1: raise ConfigError(f"DataConfig.caption_dropout={self.caption_dropout}: must be in [0, 1].")
+
+    def make_dataset(self, resolution:int, **kwargs):
+        "The dataset of `self.dataset` at `resolution` (`imagegen.data.make_dataset`)."
+        return make_dataset(self.dataset, resolution, self.split, crop='center' if self.center_crop else 'random',
+                            flip_p=0.5 if self.random_flip else 0., cache_dir=self.cache_dir, image_column=self.image_column,
+                            caption_column=self.caption_column, max_bad_frac=self.max_bad_frac, **kwargs)
+
+    def make_dataloader(self, batch_size:int, resolution:int, dataset=None, **kwargs) -> DataLoader:
+        "Batches of `dataset` (default: `self.make_dataset(resolution)`) with this section's dropout and workers."
+        return make_dataloader(dataset if dataset is not None else self.make_dataset(resolution), batch_size, resolution, self.split,
+                               num_workers=self.num_workers, caption_dropout=self.caption_dropout, **kwargs)
+
+# %% ../nbs/01a_data.ipynb #f1737402
+DATA_FLAGS = [Flag('--dataset_name', 'data.dataset', ('--train_data_dir', '--dataset')),
+              Flag('--dataloader_num_workers', 'data.num_workers', ('--num_workers',))]
+
+def is_shapes(source) -> bool:
+    "Whether `source` is the Shapes benchmark: the generator ('shapes[:opts]') or a folder `scripts/make_shapes.py` wrote."
+    if isinstance(source, str) and (source == 'shapes' or source.startswith('shapes:')): return True
+    p = Path(str(source))
+    meta = next((m for m in (p/'metadata.jsonl', p/'train'/'metadata.jsonl') if m.exists()), None)
+    if meta is None: return False
+    with open(meta) as f: first = f.readline()
+    try: return 'scene' in json.loads(first)
+    except json.JSONDecodeError: return False
+
+def shapes_prompts(n:int=8, split:str='test', level:int=1) -> list[str]:
+    "Canonical prompts of the first `n` scenes of a Shapes split (`test`: colour-shape pairs held out of training)."
+    from imagegen.shapes import prompt
+    ds = ShapesDataset(split, level, n=n)
+    return [prompt(ds.scene(i)) for i in range(n)]

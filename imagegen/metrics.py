@@ -16,7 +16,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
 from torchmetrics.multimodal.clip_score import CLIPScore
 from .grids import make_grid, save_grid, to_pil
-from .diffusion.sampling import tiny_clip_tokenizer
+from .text import tiny_clip_tokenizer
 
 # %% auto #0
 __all__ = ['INCEPTION_NAME', 'to_unit_batch', 'RandomConvFeatures', 'image_features', 'fid_kid', 'CLIPFeatures', 'clip_model',

@@ -14,7 +14,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['BOS', 'EOS', 'train_clip_tokenizer', 'TextEncoder']
+__all__ = ['BOS', 'EOS', 'train_clip_tokenizer', 'tiny_clip_tokenizer', 'TextEncoder']
 
 # %% ../nbs/01b_text.ipynb #4627cf4c
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -40,6 +40,16 @@ def train_clip_tokenizer(corpus:list[str], vocab_size:int=1000, max_length:int=3
             if cur + s not in vocab: merges.append((cur, s)); vocab[cur + s] = len(vocab)
             cur += s
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+# %% ../nbs/01b_text.ipynb #e202ca61
+def tiny_clip_tokenizer(max_length:int=16) -> CLIPTokenizer:
+    "A character-level `CLIPTokenizer` built offline (byte-level alphabet, no BPE merges)."
+    from tokenizers.pre_tokenizers import ByteLevel
+    chars = sorted(ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + '</w>': len(chars) + i for i, c in enumerate(chars)})
+    vocab.update({'<|startoftext|>': 2 * len(chars), '<|endoftext|>': 2 * len(chars) + 1})
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 # %% ../nbs/01b_text.ipynb #dc3af386
 class TextEncoder(nn.Module):
@@ -137,7 +147,7 @@ def save_pretrained(self:TextEncoder, save_directory:str|Path):
 
 @patch(cls_method=True)
 def from_pretrained(cls:TextEncoder, name_or_path:str|Path, cache_dir:str|None=None, layout:str|None=None, trainable:bool=False,
-                     cache_size:int=1024, torch_dtype:torch.dtype|None=None, **kwargs) -> TextEncoder:
+                     cache_size:int=1024, torch_dtype:torch.dtype|None=None, revision:str|None=None, **kwargs) -> TextEncoder:
     "Load a tokenizer + `CLIPTextModel` from a local folder or hub id (`layout`: 'diffusers', 'flat' or None to detect)."
     p = Path(name_or_path)
     if layout is None: layout = 'diffusers' if (p/'text_encoder').is_dir() else 'flat'
@@ -145,6 +155,6 @@ def from_pretrained(cls:TextEncoder, name_or_path:str|Path, cache_dir:str|None=N
     if p.exists() and layout == 'diffusers' and not (p/'tokenizer').is_dir():
         raise FileNotFoundError(f"{p} has text_encoder/ but no tokenizer/: save both (TextEncoder.save_pretrained) or pass layout='flat'.")
     sub = dict(tok={'subfolder':'tokenizer'}, model={'subfolder':'text_encoder'}) if layout == 'diffusers' else dict(tok={}, model={})
-    tok = CLIPTokenizer.from_pretrained(str(name_or_path), cache_dir=cache_dir, **sub['tok'])
-    model = CLIPTextModel.from_pretrained(str(name_or_path), cache_dir=cache_dir, dtype=torch_dtype, **sub['model'], **kwargs)
+    tok = CLIPTokenizer.from_pretrained(str(name_or_path), cache_dir=cache_dir, revision=revision, **sub['tok'])
+    model = CLIPTextModel.from_pretrained(str(name_or_path), cache_dir=cache_dir, dtype=torch_dtype, revision=revision, **sub['model'], **kwargs)
     return cls(tok, model, trainable=trainable, cache_size=cache_size)

@@ -1,7 +1,7 @@
 "Autoencoders: shapes, scaling factor, pixel mode, VAE training task."
 import pytest, torch
 from diffusers import AutoencoderKL
-from imagegen.autoencoders.kl import ImageAutoencoder, VAETask, latent_std, set_scaling_factor, tiny_vae_config
+from imagegen.autoencoders.kl import ImageAutoencoder, VAEConfig, VAETask, latent_std, set_scaling_factor, tiny_vae_config
 
 def images(n, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +38,7 @@ def test_pixel_mode(tmp_path):
     assert ImageAutoencoder.from_pretrained(tmp_path).is_pixel
 
 def test_training_reduces_reconstruction_loss(tmp_path):
-    task = VAETask.tiny(base_channels=16, seed=0)
+    task = VAETask.from_config(VAEConfig(base_channels=16), seed=0)
     opt = torch.optim.Adam(task.trainable.parameters(), lr=2e-3)
     data = images(32)
     with torch.no_grad(): before = task.loss(task.trainable, {'pixel_values': data})['l1'].item()
@@ -52,4 +52,4 @@ def test_training_reduces_reconstruction_loss(tmp_path):
     assert ImageAutoencoder.from_pretrained(tmp_path).scaling_factor == pytest.approx(1 / task.latent_std())
 
 def test_bad_batch_message():
-    with pytest.raises(KeyError, match='pixel_values'): VAETask.tiny(base_channels=16).loss(None, {'image': images(1)})
+    with pytest.raises(KeyError, match='pixel_values'): VAETask.from_config(VAEConfig(base_channels=16)).loss(None, {'image': images(1)})

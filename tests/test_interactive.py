@@ -19,8 +19,8 @@ CORPUS = [f"a {s} {c} {k}" for s in ('small', 'large') for c in ('red', 'green',
 
 @pytest.fixture(scope='module')
 def ldm():
-    from imagegen.diffusion.ldm import LatentDiffusion, ldm_config
-    cfg = ldm_config('tiny', text_hidden=32, text_layers=1, text_max_length=12, block_out_channels=(32, 64))
+    from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig
+    cfg = LDMConfig.preset('tiny', text_hidden=32, text_layers=1, text_max_length=12, block_out_channels=(32, 64))
     return LatentDiffusion.from_config(cfg, corpus=CORPUS)
 
 

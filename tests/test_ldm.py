@@ -2,7 +2,7 @@
 import pytest, torch
 from diffusers import StableDiffusionPipeline
 from diffusers.training_utils import compute_snr
-from imagegen.diffusion.ldm import LatentDiffusion, ldm_config, diffusion_target, loss_weights, build_scheduler
+from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig, diffusion_target, loss_weights, build_scheduler
 
 CORPUS = [f"a {c} {s}" for c in ('red', 'green', 'blue') for s in ('circle', 'square', 'triangle')]
 SMALL = dict(text_hidden=32, text_layers=1, text_max_length=12, block_out_channels=(32, 64))
@@ -11,7 +11,7 @@ def batch(n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {'pixel_values': torch.rand(n, 3, 32, 32, generator=g) * 2 - 1, 'caption': (CORPUS * 2)[:n - 1] + ['']}
 
-def model(**kw): return LatentDiffusion.from_config(ldm_config('tiny', **{**SMALL, **kw}), corpus=CORPUS)
+def model(**kw): return LatentDiffusion.from_config(LDMConfig.preset('tiny', **{**SMALL, **kw}), corpus=CORPUS)
 
 @pytest.mark.parametrize('pt', ['epsilon', 'v_prediction'])
 @pytest.mark.parametrize('vae', ['tiny', 'pixel'])
@@ -24,17 +24,17 @@ def test_loss_finite_and_backprops(pt, vae):
     assert not any(p.requires_grad for p in m.text_encoder.parameters())
 
 def test_v_target_matches_scheduler():
-    s = build_scheduler(ldm_config(prediction_type='v_prediction'))
+    s = build_scheduler(LDMConfig(prediction_type='v_prediction'))
     x, n, t = torch.randn(3, 4, 8, 8), torch.randn(3, 4, 8, 8), torch.tensor([5, 300, 900])
     v = diffusion_target(s, x, n, t)
     torch.testing.assert_close(v, s.get_velocity(x, n, t))
     ab = s.alphas_cumprod[t].view(-1, 1, 1, 1)
     torch.testing.assert_close(v, ab.sqrt() * n - (1 - ab).sqrt() * x, rtol=1e-4, atol=1e-5)
-    assert diffusion_target(build_scheduler(ldm_config()), x, n, t) is n
+    assert diffusion_target(build_scheduler(LDMConfig()), x, n, t) is n
 
 def test_min_snr_changes_weighting():
     t = torch.tensor([1, 100, 500, 999])
-    s = build_scheduler(ldm_config())
+    s = build_scheduler(LDMConfig())
     w = loss_weights(s, t, 5.0); snr = compute_snr(s, t)
     torch.testing.assert_close(w, torch.clamp(snr, max=5.0) / snr)
     assert not torch.allclose(w, torch.ones(4)) and torch.equal(loss_weights(s, t), torch.ones(4))
@@ -85,7 +85,7 @@ def test_pixel_roundtrip(tmp_path):
     torch.testing.assert_close(back.loss(back.trainable, batch(), generator=g())['loss'], m.loss(m.trainable, batch(), generator=g())['loss'], rtol=0, atol=0)
 
 def test_errors():
-    with pytest.raises(ValueError, match='prediction_type'): ldm_config(prediction_type='x0')
+    with pytest.raises(ValueError, match='prediction_type'): LDMConfig(prediction_type='x0')
     m = model()
     with pytest.raises(KeyError, match="caption"): m.loss(m.trainable, {'pixel_values': torch.zeros(1, 3, 32, 32)})
 

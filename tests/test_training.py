@@ -256,3 +256,34 @@ def test_two_ranks_identical_params_and_resume_with_one(tmp_path):
     # the 2-rank checkpoint resumes in one process
     res = train(Regression(), data(n=48), cfg(tmp_path, max_steps=6, checkpoint_every=2, grad_accum=2, ema=True, ema_decay=0.9))
     assert res['resumed_from'].endswith('step_00000004') and res['step'] == 6
+
+
+def test_mlflow_run_resumed_after_stop_is_the_same_run(tmp_path):
+    "Stop at step 7, resume: one MLflow run (the id kept in tracker.json), whose loss curve covers steps 1..14 once."
+    mlflow = pytest.importorskip('mlflow')
+    uri = f"sqlite:///{tmp_path/'mlruns.db'}"
+    c = cfg(tmp_path/'run', tracker='mlflow', tracking_uri=uri, experiment='resume-test', max_steps=14, run_name='r',
+            tags={'phase': 'test'})
+    task = Regression()
+    task.hook = _stop_with_signal_at(6)
+    task.trainer = Trainer(task, data(), c)
+    with pytest.raises(Preempted): task.trainer.fit()
+    first = json.loads((tmp_path/'run'/'tracker.json').read_text())
+    res = train(Regression(), data(), c)
+    second = json.loads((tmp_path/'run'/'tracker.json').read_text())
+    assert res['resumed_from'] and first['run_id'] == second['run_id']
+    client = mlflow.tracking.MlflowClient(uri)
+    exp = client.get_experiment_by_name('resume-test')
+    runs = client.search_runs([exp.experiment_id])
+    assert [r.info.run_id for r in runs] == [first['run_id']]
+    steps = sorted(m.step for m in client.get_metric_history(first['run_id'], 'loss'))
+    assert steps[-1] == 14 and set(range(1, 15)) <= set(steps)
+    assert runs[0].data.tags['phase'] == 'test' and runs[0].data.params['config/train/max_steps'] == '14'
+
+
+def test_fresh_run_in_new_folder_is_a_new_mlflow_run(tmp_path):
+    mlflow = pytest.importorskip('mlflow')
+    uri = f"sqlite:///{tmp_path/'mlruns.db'}"
+    ids = [train(Regression(), data(), cfg(tmp_path/d, tracker='mlflow', tracking_uri=uri, max_steps=2)) and
+           json.loads((tmp_path/d/'tracker.json').read_text())['run_id'] for d in ('a', 'b')]
+    assert ids[0] != ids[1]

@@ -11,10 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 from diffusers import AutoencoderKL
 from fastcore.basics import patch
+from dataclasses import dataclass
+from ..config import Config
 from ..grids import to_pil
 
 # %% auto #0
-__all__ = ['PIXEL_MARKER', 'tiny_vae_config', 'ImageAutoencoder', 'latent_std', 'set_scaling_factor', 'VAEForTraining', 'VAETask']
+__all__ = ['PIXEL_MARKER', 'tiny_vae_config', 'ImageAutoencoder', 'latent_std', 'set_scaling_factor', 'VAEForTraining',
+           'VAEConfig', 'VAETask']
 
 # %% ../../nbs/03a_kl.ipynb #53b9a0f5
 def tiny_vae_config(resolution:int=32, n_down:int=3, base_channels:int=32, latent_channels:int=4,
@@ -145,18 +148,34 @@ class VAEForTraining(nn.Module):
         return self.vae.decode(z).sample, dist.mean, dist.logvar
 
 # %% ../../nbs/03a_kl.ipynb #0a166a39
+@dataclass
+class VAEConfig(Config):
+    "The model section of a VAE run: the shape of a small `AutoencoderKL` and the loss weights."
+    resolution:int = 32                  # image size in pixels
+    n_down:int = 3                       # encoder blocks; downsampling is 2**(n_down-1): 3 gives 8x8 latents at 32 px
+    base_channels:int = 32               # width of the first block
+    latent_channels:int = 4              # channels of the latent space
+    kl_weight:float = 1e-6               # weight of the KL term
+    l1_weight:float = 1.0                # weight of the L1 reconstruction loss
+    l2_weight:float = 1.0                # weight of the L2 reconstruction loss
+
+    presets = {'tiny': {}, 'small': dict(resolution=64, base_channels=64)}
+
 class VAETask:
     "Task for the shared training loop: reconstruction (L1 + L2) + `kl_weight` × KL for an `AutoencoderKL`."
-    def __init__(self, vae:AutoencoderKL, l1_weight:float=1.0, l2_weight:float=1.0, kl_weight:float=1e-6, n_samples:int=8):
-        self.vae, self.trainable = vae, VAEForTraining(vae)
+    def __init__(self, vae:AutoencoderKL, l1_weight:float=1.0, l2_weight:float=1.0, kl_weight:float=1e-6, n_samples:int=8,
+                 config:VAEConfig|None=None):
+        self.vae, self.trainable, self.config = vae, VAEForTraining(vae), config
         self.l1_weight, self.l2_weight, self.kl_weight, self.n_samples = l1_weight, l2_weight, kl_weight, n_samples
         self._n, self._s, self._s2, self._last = 0, 0.0, 0.0, None
 
     @classmethod
-    def tiny(cls, resolution:int=32, n_down:int=3, base_channels:int=32, latent_channels:int=4, seed:int=0, **kwargs) -> VAETask:
-        "A task around a fresh `AutoencoderKL(**tiny_vae_config(...))`."
+    def from_config(cls, cfg:VAEConfig|str='tiny', seed:int=0, **kwargs) -> VAETask:
+        "A task around a fresh `AutoencoderKL(**tiny_vae_config(...))` shaped by `cfg` (or a preset name)."
+        cfg = VAEConfig.preset(cfg) if isinstance(cfg, str) else cfg
         torch.manual_seed(seed)
-        return cls(AutoencoderKL(**tiny_vae_config(resolution, n_down, base_channels, latent_channels)), **kwargs)
+        vae = AutoencoderKL(**tiny_vae_config(cfg.resolution, cfg.n_down, cfg.base_channels, cfg.latent_channels))
+        return cls(vae, cfg.l1_weight, cfg.l2_weight, cfg.kl_weight, config=cfg, **kwargs)
 
     def loss(self, model:nn.Module, batch) -> dict:
         "Loss of `model` (the loop's prepared `trainable`, or `self.trainable` outside the loop) on `batch`."

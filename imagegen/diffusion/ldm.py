@@ -5,7 +5,7 @@
 # %% ../../nbs/04b_ldm.ipynb #a56492bf
 from __future__ import annotations
 import json, random
-from dataclasses import dataclass, asdict, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -17,68 +17,89 @@ from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
 from .sampling import make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder
+from ..config import Config, ConfigError
+from ..data import DataConfig
 from ..training.loop import make_optimizer
 
 # %% auto #0
-__all__ = ['LDM_PRESETS', 'LDM_FILE', 'LDMConfig', 'ldm_config', 'build_unet', 'build_scheduler', 'UNetWithTextEncoder',
-           'LatentDiffusion', 'diffusion_target', 'loss_weights', 'LatentCache', 'cache_latents']
+__all__ = ['LDM_FILE', 'LDMConfig', 'LDMDataConfig', 'build_unet', 'build_scheduler', 'UNetWithTextEncoder', 'LatentDiffusion',
+           'diffusion_target', 'loss_weights', 'LatentCache', 'cache_latents']
 
 # %% ../../nbs/04b_ldm.ipynb #fdb1e226
 @dataclass
-class LDMConfig:
-    "Latent diffusion model description (components, UNet shape, objective)."
+class LDMConfig(Config):
+    "The model section of a latent diffusion run: components, UNet shape, objective."
     resolution:int = 32                  # image size in pixels
-    vae:str = 'tiny'                     # 'tiny' (random, n_down blocks), 'pixel', or a hub id/folder of an AutoencoderKL
-    vae_subfolder:str|None = None        # e.g. 'vae' for a full SD repository
+    pretrained_model_name_or_path:str|None = None  # a Stable-Diffusion-format folder or Hub id to start from (its vae/, tokenizer/ + text_encoder/, unet/)
+    revision:str|None = None             # Hub revision (branch, tag or commit) of the pretrained model
+    variant:str|None = None              # weights variant of the pretrained model, e.g. 'fp16'
+    vae:str|None = None                  # 'tiny' (random), 'pixel' (no VAE) or an AutoencoderKL folder/Hub id; None: the pretrained model's, else 'tiny'
+    vae_subfolder:str|None = None        # e.g. 'vae' when `vae` names a whole pipeline
     vae_n_down:int = 3                   # tiny VAE: 3 -> 4x downsampling (8x8 latents at 32 px), 2 -> 2x
-    text_encoder:str = 'tiny'            # 'tiny' or a hub id/folder (e.g. 'openai/clip-vit-base-patch32')
-    text_layout:str|None = None          # 'diffusers' for an SD repository (tokenizer/ + text_encoder/)
+    text_encoder:str|None = None         # 'tiny' or a CLIP text model folder/Hub id; None: the pretrained model's, else 'tiny'
+    text_layout:str|None = None          # 'diffusers' when `text_encoder` names a whole pipeline (tokenizer/ + text_encoder/)
     text_hidden:int = 64                 # tiny text encoder width
     text_layers:int = 2                  # tiny text encoder depth
     text_max_length:int = 32             # tiny text encoder context (tokens)
-    train_text_encoder:bool = False      # train the text model with the UNet (tiny encoders only, sensible)
+    train_text_encoder:bool = False      # train the text model with the UNet (sensible for tiny encoders)
     text_encoder_lr:float|None = None    # learning rate of a trained text encoder (None: the UNet's)
-    unet:str|None = None                 # hub id/folder with unet/ to start from, else built from the fields below
-    block_out_channels:tuple = (64, 128)
-    attention_levels:tuple = (False, True)  # cross-attention blocks per resolution level
+    unet:str|None = None                 # folder/Hub id with unet/ to start from; None: the pretrained model's, else built from the fields below
+    block_out_channels:tuple[int, ...] = (64, 128)
+    attention_levels:tuple[bool, ...] = (False, True)  # cross-attention blocks per resolution level
     layers_per_block:int = 1
     attention_head_dim:int = 8
     pooled_text:bool = False             # also add attention-pooled text to the time embedding (diffusers addition_embed_type='text')
     prediction_type:str = 'epsilon'      # 'epsilon' or 'v_prediction'
     snr_gamma:float|None = None          # min-SNR-gamma loss weighting (5.0 is the paper's choice); None: plain MSE
     noise_offset:float = 0.0             # offset noise strength (0.05-0.1 helps very dark/bright images)
-    cond_dropout:float = 0.0             # caption -> '' probability inside loss (0 when the loader already drops)
+    cond_dropout:float = 0.0             # caption -> '' probability inside the loss (keep 0 when the loader drops captions: data.caption_dropout)
     num_train_timesteps:int = 1000
     beta_schedule:str = 'scaled_linear'
-    cache_dir:str|None = None            # hub cache for pretrained components
+    cache_dir:str|None = None            # Hub cache for pretrained components
+
+    presets = {
+        'tiny': dict(),
+        'tiny_pixel': dict(vae='pixel', block_out_channels=(32, 64, 64), attention_levels=(False, False, True)),
+        'small': dict(resolution=64, text_hidden=256, text_layers=4, block_out_channels=(128, 256, 256),
+                      attention_levels=(False, True, True), layers_per_block=2, vae_n_down=3),
+        'sd15': dict(resolution=512, pretrained_model_name_or_path='stable-diffusion-v1-5/stable-diffusion-v1-5',
+                     vae='stabilityai/sd-vae-ft-ema', block_out_channels=(320, 640, 1280, 1280),
+                     attention_levels=(True, True, True, False), layers_per_block=2, attention_head_dim=8),
+    }
+
+    def __post_init__(self):
+        if self.prediction_type not in ('epsilon', 'v_prediction'):
+            raise ConfigError(f"LDMConfig.prediction_type={self.prediction_type!r}: use 'epsilon' or 'v_prediction'.")
+        if len(self.block_out_channels) != len(self.attention_levels):
+            raise ConfigError(f"LDMConfig: block_out_channels {self.block_out_channels} and attention_levels {self.attention_levels} need one entry per resolution level each.")
+
+    def source(self, part:str) -> tuple[str|None, dict]:
+        "Where component `part` ('vae', 'text_encoder' or 'unet') comes from, and how to load it: the field, else the pretrained model, else 'tiny' (None: build the UNet)."
+        own, pre = getattr(self, part), self.pretrained_model_name_or_path
+        if own is not None:
+            return own, {'vae': {'subfolder': self.vae_subfolder}, 'text_encoder': {'layout': self.text_layout}, 'unet': {'subfolder': 'unet'}}[part]
+        if pre is not None:
+            hub = {'revision': self.revision, **({'variant': self.variant} if self.variant and part != 'text_encoder' else {})}
+            return pre, {'vae': {'subfolder': 'vae', **hub}, 'text_encoder': {'layout': 'diffusers', 'revision': self.revision}, 'unet': {'subfolder': 'unet', **hub}}[part]
+        return (None if part == 'unet' else 'tiny'), {}
 
 # %% ../../nbs/04b_ldm.ipynb #08e88bee
-LDM_PRESETS = {
-    'tiny': dict(),
-    'tiny_pixel': dict(vae='pixel', block_out_channels=(32, 64, 64), attention_levels=(False, False, True)),
-    'small': dict(resolution=64, text_hidden=256, text_layers=4, block_out_channels=(128, 256, 256),
-                  attention_levels=(False, True, True), layers_per_block=2, vae_n_down=3),
-    'sd15': dict(resolution=512, vae='stabilityai/sd-vae-ft-ema', text_encoder='stable-diffusion-v1-5/stable-diffusion-v1-5',
-                 text_layout='diffusers', unet='stable-diffusion-v1-5/stable-diffusion-v1-5', block_out_channels=(320, 640, 1280, 1280),
-                 attention_levels=(True, True, True, False), layers_per_block=2, attention_head_dim=8),
-}
+@dataclass
+class LDMDataConfig(DataConfig):
+    "The data section of a latent diffusion run: `DataConfig` plus latent caching."
+    caption_dropout: float = 0.1         # probability that a caption becomes '' (classifier-free guidance)
+    cache_latents: bool = False          # encode the dataset once with the frozen VAE, train on the cached posteriors (map-style data)
+    latent_mode: bool = False            # with cache_latents: train on the posterior mean instead of a fresh sample each step
 
-def ldm_config(preset:str='tiny', **overrides) -> LDMConfig:
-    "The named preset with `overrides` applied."
-    if preset not in LDM_PRESETS: raise ValueError(f"Unknown LDM preset {preset!r}; choose one of {sorted(LDM_PRESETS)}.")
-    names = {f.name for f in fields(LDMConfig)}
-    bad = sorted(set(overrides) - names)
-    if bad: raise ValueError(f"Unknown LDMConfig field(s) {bad}; valid fields: {sorted(names)}.")
-    cfg = replace(LDMConfig(), **{**LDM_PRESETS[preset], **overrides})
-    if cfg.prediction_type not in ('epsilon', 'v_prediction'): raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {cfg.prediction_type!r}.")
-    cfg.block_out_channels, cfg.attention_levels = tuple(cfg.block_out_channels), tuple(cfg.attention_levels)
-    if len(cfg.block_out_channels) != len(cfg.attention_levels): raise ValueError("block_out_channels and attention_levels must have the same length (one entry per resolution level).")
-    return cfg
+    def __post_init__(self):
+        super().__post_init__()
+        if self.latent_mode and not self.cache_latents: raise ConfigError("LDMDataConfig.latent_mode needs cache_latents=True (the mean is taken when the latents are cached).")
 
 # %% ../../nbs/04b_ldm.ipynb #2cee2f19
 def build_unet(cfg:LDMConfig, in_channels:int, sample_size:int, cross_attention_dim:int) -> UNet2DConditionModel:
-    "A `UNet2DConditionModel` from `cfg` (or pretrained from `cfg.unet`)."
-    if cfg.unet: return UNet2DConditionModel.from_pretrained(cfg.unet, subfolder='unet', cache_dir=cfg.cache_dir)
+    "A `UNet2DConditionModel` from `cfg`: pretrained (`cfg.source('unet')`) or built from the shape fields."
+    name, kw = cfg.source('unet')
+    if name: return UNet2DConditionModel.from_pretrained(name, cache_dir=cfg.cache_dir, **kw)
     down = tuple('CrossAttnDownBlock2D' if a else 'DownBlock2D' for a in cfg.attention_levels)
     up = tuple('CrossAttnUpBlock2D' if a else 'UpBlock2D' for a in reversed(cfg.attention_levels))
     return UNet2DConditionModel(sample_size=sample_size, in_channels=in_channels, out_channels=in_channels,
@@ -137,22 +158,24 @@ class LatentDiffusion:
 
 # %% ../../nbs/04b_ldm.ipynb #395d9f8a
 def _load_autoencoder(cfg:LDMConfig) -> ImageAutoencoder:
-    if cfg.vae == 'pixel': return ImageAutoencoder.pixel()
-    if cfg.vae == 'tiny': return ImageAutoencoder(AutoencoderKL(**tiny_vae_config(cfg.resolution, cfg.vae_n_down)))
-    return ImageAutoencoder.from_pretrained(cfg.vae, cache_dir=cfg.cache_dir, subfolder=cfg.vae_subfolder)
+    name, kw = cfg.source('vae')
+    if name == 'pixel': return ImageAutoencoder.pixel()
+    if name == 'tiny': return ImageAutoencoder(AutoencoderKL(**tiny_vae_config(cfg.resolution, cfg.vae_n_down)))
+    return ImageAutoencoder.from_pretrained(name, cache_dir=cfg.cache_dir, **kw)
 
 def _load_text_encoder(cfg:LDMConfig, corpus:list[str]|None) -> TextEncoder:
-    if cfg.text_encoder == 'tiny':
+    name, kw = cfg.source('text_encoder')
+    if name == 'tiny':
         if not corpus: raise ValueError("LDMConfig.text_encoder='tiny' builds its tokenizer from the training captions: pass corpus=[...captions...].")
         return TextEncoder.tiny(corpus, hidden=cfg.text_hidden, layers=cfg.text_layers, max_length=cfg.text_max_length,
                                 trainable=cfg.train_text_encoder)
-    return TextEncoder.from_pretrained(cfg.text_encoder, cache_dir=cfg.cache_dir, layout=cfg.text_layout, trainable=cfg.train_text_encoder)
+    return TextEncoder.from_pretrained(name, cache_dir=cfg.cache_dir, trainable=cfg.train_text_encoder, **kw)
 
 @patch(cls_method=True)
 def from_config(cls:LatentDiffusion, cfg:LDMConfig|str='tiny', corpus:list[str]|None=None, autoencoder:ImageAutoencoder|None=None,
                  text_encoder:TextEncoder|None=None, seed:int=0, sample_prompts:list[str]|None=None) -> LatentDiffusion:
     "Build a model from a config (or preset name); `autoencoder`/`text_encoder` override the config's choice."
-    cfg = ldm_config(cfg) if isinstance(cfg, str) else cfg
+    cfg = LDMConfig.preset(cfg) if isinstance(cfg, str) else cfg
     torch.manual_seed(seed)
     ae = autoencoder or _load_autoencoder(cfg)
     te = text_encoder or _load_text_encoder(cfg, corpus)
@@ -260,31 +283,38 @@ LDM_FILE = 'imagegen_ldm.json'
 
 @patch
 def save_pretrained(self:LatentDiffusion, save_directory:str|Path):
-    "A diffusers-format folder (`StableDiffusionPipeline` loads it unless in pixel mode)."
+    "A diffusers-format folder (`StableDiffusionPipeline` loads it unless in pixel mode) whose scheduler is the recommended sampler, DPM-Solver++ 2M."
     d = Path(save_directory); d.mkdir(parents=True, exist_ok=True)
-    te = self.text_encoder
+    te, sampler = self.text_encoder, make_scheduler('dpmpp_2m', self.scheduler)
     if self.autoencoder.is_pixel:
-        self.unet.save_pretrained(d/'unet'); te.save_pretrained(d); self.scheduler.save_pretrained(d/'scheduler')
+        self.unet.save_pretrained(d/'unet'); te.save_pretrained(d); sampler.save_pretrained(d/'scheduler')
         self.autoencoder.save_pretrained(d/'vae')
     else:
         StableDiffusionPipeline(vae=self.autoencoder.vae, text_encoder=te.model, tokenizer=te.tokenizer, unet=self.unet,
-                                scheduler=type(self.scheduler).from_config(self.scheduler.config), safety_checker=None, feature_extractor=None,
+                                scheduler=sampler, safety_checker=None, feature_extractor=None,
                                 requires_safety_checker=False).save_pretrained(d)
+    # the training noise schedule itself, which the pipeline's sampler config does not fully carry (clip_sample, spacing)
     meta = dict(snr_gamma=self.snr_gamma, noise_offset=self.noise_offset, cond_dropout=self.cond_dropout,
-                sample_prompts=self.sample_prompts, config=asdict(self.config) if self.config else None)
+                sample_prompts=self.sample_prompts, config=self.config.to_dict() if self.config else None,
+                train_scheduler=dict(self.scheduler.config))
     (d/LDM_FILE).write_text(json.dumps(meta, indent=2))
 
 # %% ../../nbs/04b_ldm.ipynb #3ab31d66
 @patch(cls_method=True)
-def from_pretrained(cls:LatentDiffusion, path:str|Path, cache_dir:str|None=None, train_text_encoder:bool=False) -> LatentDiffusion:
-    "Load a folder written by `save_pretrained`, or any SD-style diffusers repository (hub id or folder)."
+def from_pretrained(cls:LatentDiffusion, path:str|Path, cache_dir:str|None=None, train_text_encoder:bool|None=None,
+                    revision:str|None=None) -> LatentDiffusion:
+    "Load a folder written by `save_pretrained`, or any SD-style diffusers repository (hub id or folder); `train_text_encoder` None: as saved."
     p = Path(path)
     if p.exists() and not (p/'unet').is_dir(): raise FileNotFoundError(f"{p} has no unet/ folder: pass a folder written by LatentDiffusion.save_pretrained or an SD-style repository.")
     meta = json.loads((p/LDM_FILE).read_text()) if (p/LDM_FILE).exists() else {}
     cfg = meta.get('config')
-    cfg = LDMConfig(**{**cfg, 'block_out_channels': tuple(cfg['block_out_channels']), 'attention_levels': tuple(cfg['attention_levels'])}) if cfg else None
-    unet = UNet2DConditionModel.from_pretrained(str(path), subfolder='unet', cache_dir=cache_dir)
-    ae = ImageAutoencoder.from_pretrained(str(path), subfolder='vae', cache_dir=cache_dir)
-    te = TextEncoder.from_pretrained(str(path), cache_dir=cache_dir, layout='diffusers', trainable=train_text_encoder)
-    sched = DDPMScheduler.from_pretrained(str(path), subfolder='scheduler', cache_dir=cache_dir)
+    cfg = LDMConfig.from_dict(cfg, source=str(p/LDM_FILE)) if cfg else None
+    if train_text_encoder is None: train_text_encoder = bool(cfg and cfg.train_text_encoder)
+    hub = dict(cache_dir=cache_dir, revision=revision)
+    unet = UNet2DConditionModel.from_pretrained(str(path), subfolder='unet', **hub)
+    ae = ImageAutoencoder.from_pretrained(str(path), subfolder='vae', **hub)
+    te = TextEncoder.from_pretrained(str(path), layout='diffusers', trainable=train_text_encoder, **hub)
+    # the training schedule: ours as saved, else (an SD repository) DDPM over the repository's scheduler config, as diffusers' training scripts do
+    sched = (DDPMScheduler.from_config(meta['train_scheduler']) if 'train_scheduler' in meta
+             else DDPMScheduler.from_pretrained(str(path), subfolder='scheduler', **hub))
     return cls(unet, ae, te, sched, meta.get('snr_gamma'), meta.get('noise_offset', 0.0), meta.get('cond_dropout', 0.0), cfg, meta.get('sample_prompts'))

@@ -16,20 +16,11 @@ from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, DPMSolverMul
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from ..text import tiny_clip_tokenizer
 
 # %% auto #0
-__all__ = ['SAMPLERS', 'tiny_clip_tokenizer', 'tiny_sd_components', 'make_scheduler', 'clip_encoder', 'as_encoder',
-           'make_generators', 'sample_latents', 'sample', 'to_pipeline', 'sample_distributed']
-
-# %% ../../nbs/04a_sampling.ipynb #2769682d
-def tiny_clip_tokenizer(max_length:int=16) -> CLIPTokenizer:
-    "A character-level `CLIPTokenizer` built offline (byte-level alphabet, no BPE merges)."
-    from tokenizers.pre_tokenizers import ByteLevel
-    chars = sorted(ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + '</w>': len(chars) + i for i, c in enumerate(chars)})
-    vocab.update({'<|startoftext|>': 2 * len(chars), '<|endoftext|>': 2 * len(chars) + 1})
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+__all__ = ['SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'clip_encoder', 'as_encoder', 'make_generators', 'sample_latents',
+           'sample', 'to_pipeline', 'sample_distributed']
 
 # %% ../../nbs/04a_sampling.ipynb #6831c727
 def tiny_sd_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:

@@ -10,7 +10,8 @@ from accelerate import Accelerator
 
 # %% auto #0
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic', 'list_checkpoints',
-           'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'Preempted']
+           'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'Preempted', 'find_checkpoint',
+           'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -79,3 +80,54 @@ class Preempted(SystemExit):
         super().__init__(EXIT_PREEMPTED)
         self.step, self.checkpoint, self.signum = step, checkpoint, signum
     def __str__(self): return f"stopped by {signal.Signals(self.signum).name} at step {self.step}; checkpoint {self.checkpoint}"
+
+# %% ../../nbs/02a_checkpoints.ipynb #b60d4ded
+def find_checkpoint(run_dir:str|Path, step:int|str|None=None) -> Path:
+    "Checkpoint `step` (int, 'latest' or None = latest) of the run in `run_dir` (or `run_dir` itself when it is a checkpoint)."
+    run_dir = Path(run_dir)
+    if (run_dir/'trainer_state.json').exists() and step in (None, 'latest'): return run_dir
+    ckpts = run_dir/'checkpoints'
+    if step in (None, 'latest'):
+        c = latest_checkpoint(ckpts)
+        if c is None: raise FileNotFoundError(f"{run_dir}: no complete checkpoint in {ckpts}; is this the --output_dir of a training run?")
+        return c
+    c = ckpts/f"{CKPT_PREFIX}{int(step):08d}"
+    if not (c/'trainer_state.json').exists():
+        have = [int(p.name[len(CKPT_PREFIX):]) for p in list_checkpoints(ckpts) if (p/'trainer_state.json').exists()]
+        raise FileNotFoundError(f"{run_dir}: no complete checkpoint for step {step}; the run has steps {have}.")
+    return c
+
+def _ema_state(ckpt:Path) -> dict|None:
+    import torch
+    for f in sorted(ckpt.glob('custom_checkpoint_*.pkl')):
+        d = torch.load(f, map_location='cpu', weights_only=True)
+        if isinstance(d, dict) and 'shadow_params' in d: return d
+    return None
+
+def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
+    "Copy checkpoint `ckpt`'s trained weights (its EMA weights with `ema`) into `module`, which must have the trained module's architecture."
+    import torch
+    from safetensors.torch import load_file
+    ckpt = Path(ckpt)
+    if ema:
+        st = _ema_state(ckpt)
+        if st is None: raise ValueError(f"{ckpt} holds no EMA weights (the run trained without --use_ema): export the raw weights instead.")
+        params = list(module.parameters())
+        if len(st['shadow_params']) != len(params):
+            raise ValueError(f"{ckpt}: the EMA has {len(st['shadow_params'])} tensors but {type(module).__name__} has {len(params)} parameters: a checkpoint of another model.")
+        for i, ((name, p), s) in enumerate(zip(module.named_parameters(), st['shadow_params'])):
+            if p.shape != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
+        with torch.no_grad():
+            for p, s in zip(params, st['shadow_params']): p.copy_(s.to(p.dtype))
+        return module
+    f = ckpt/'model.safetensors'
+    if not f.exists(): raise FileNotFoundError(f"{f} not found: {ckpt} is not a checkpoint written by the training loop.")
+    sd, own = load_file(str(f)), module.state_dict()
+    missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    bad = [k for k in own if k in sd and own[k].shape != sd[k].shape]
+    if missing or extra or bad:
+        raise ValueError(f"{ckpt} does not fit {type(module).__name__} (a checkpoint of another model?): "
+                         + '; '.join(x for x in (f"missing {missing[:3]}" if missing else '', f"unexpected {extra[:3]}" if extra else '',
+                                                 f"shape of {bad[0]}: {tuple(sd[bad[0]].shape)} vs {tuple(own[bad[0]].shape)}" if bad else '') if x))
+    module.load_state_dict(sd)
+    return module

@@ -4,11 +4,11 @@
 
 # %% ../../nbs/02c_loop.ipynb #eb299b1e
 from __future__ import annotations
-import datetime, itertools, json, math, random, signal, sys, threading, time, warnings
+import datetime, itertools, json, math, os, random, shutil, signal, sys, threading, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Protocol, runtime_checkable
-import numpy as np, torch
+import numpy as np, torch, yaml
 from torch import nn
 from PIL import Image
 from tqdm.auto import tqdm
@@ -18,15 +18,16 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
 from diffusers.optimization import get_scheduler, SchedulerType
 from diffusers.training_utils import EMAModel
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, Flag
 from ..grids import make_grid
-from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, Preempted, clean_partial_checkpoints,
+from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
                                           latest_checkpoint, list_checkpoints, save_checkpoint, write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
 
 # %% auto #0
-__all__ = ['MIXED_PRECISION', 'TRACKERS', 'TrainConfig', 'TrainTask', 'batch_size_of', 'derived_seed', 'seed_all', 'param_groups',
-           'make_optimizer', 'make_accelerator', 'TaskStream', 'Trainer', 'NonFiniteLossError', 'train']
+__all__ = ['MIXED_PRECISION', 'TRACKERS', 'TRAIN_FLAGS', 'TRACKER_FILE', 'INITIAL_MODEL', 'TrainConfig', 'TrainTask',
+           'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer', 'make_accelerator',
+           'TaskStream', 'Trainer', 'mlflow_uri', 'NonFiniteLossError', 'train']
 
 # %% ../../nbs/02c_loop.ipynb #beaf4262
 MIXED_PRECISION = ('no', 'fp16', 'bf16')
@@ -38,36 +39,39 @@ class TrainConfig(Config):
     output_dir: str = 'runs/train'      # checkpoints/, logs/, samples/, model/ and run_info.json go here
     run_name: str|None = None           # tracker run name; default: timestamp (kept across resumes)
     max_steps: int|None = None          # optimizer updates; None: derived from `epochs`
-    epochs: int|None = 1
+    epochs: int|None = 1                # passes over the data when max_steps is None
     batch_size: int = 8                 # per rank; used by the data loaders built from this config
-    lr: float = 1e-4
-    weight_decay: float = 1e-2
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
+    lr: float = 1e-4                    # peak learning rate (AdamW)
+    weight_decay: float = 1e-2          # AdamW decoupled weight decay (never on biases, norms, embeddings)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas, e.g. 0.9,0.95
+    adam_eps: float = 1e-8              # AdamW epsilon
     lr_scheduler: str = 'constant_with_warmup'  # any diffusers `get_scheduler` name
-    warmup_steps: int = 0
-    grad_accum: int = 1
+    warmup_steps: int = 0               # linear learning-rate warmup (optimizer steps)
+    grad_accum: int = 1                 # batches per optimizer step (per rank)
     max_grad_norm: float|None = 1.0     # None: no clipping
     mixed_precision: str|None = None    # None: what `accelerate launch`/`accelerate config` chose ('no' without them); 'no' | 'fp16' | 'bf16'
-    ema: bool = False
-    ema_decay: float = 0.9999
-    ema_update_after_step: int = 0
-    ema_warmup: bool = False
-    ema_power: float = 2/3
-    gradient_checkpointing: bool = False
-    checkpoint_every: int|None = 500
-    checkpoints_total_limit: int|None = 3
-    sample_every: int|None = None
-    n_samples: int = 4
-    log_every: int = 10
+    ema: bool = False                   # keep an EMA of the trained weights (used for samples and the saved model)
+    ema_decay: float = 0.9999           # EMA decay per optimizer step
+    ema_update_after_step: int = 0      # start the EMA after this many steps
+    ema_warmup: bool = False            # diffusers' EMA warmup: decay grows as 1 - (1 + step)^-power
+    ema_power: float = 2/3              # exponent of the EMA warmup
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    checkpoint_every: int|None = 500    # optimizer steps between checkpoints (resumable training state)
+    checkpoints_total_limit: int|None = 3  # keep the newest N checkpoints; None: keep all
+    sample_every: int|None = None       # optimizer steps between sample grids (saved and logged); None: never
+    n_samples: int = 4                  # images per sample grid (when no validation_prompts are given)
+    validation_prompts: list[str]|None = None  # prompts of the sample grids; None: the task's own (held-out Shapes prompts for the Shapes models)
+    log_every: int = 10                 # optimizer steps between logged losses
     tracker: str = 'tensorboard'        # 'tensorboard' | 'mlflow' | 'wandb' | 'none'
     experiment: str = 'imagegen'        # MLflow experiment / W&B project
-    tags: dict[str, str] = field(default_factory=dict)
+    tracking_uri: str|None = None       # MLflow store; None: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db in the working directory
+    tags: dict[str, str] = field(default_factory=dict)  # tracker tags, e.g. phase=pretrain,res=32
     nan_max_consecutive: int = 5        # abort after this many non-finite steps in a row ...
     nan_max_total: int = 50             # ... or this many in total
-    seed: int = 0
+    seed: int = 0                       # seeds weights, data order and noise
     resume: str|None = 'latest'         # 'latest' | a checkpoint folder | None (start fresh)
     save_model: bool = True             # save the final (EMA) model to output_dir/model
+    allow_tf32: bool = False            # TF32 matmuls and convolutions on Ampere+ GPUs (faster fp32, ~10-bit mantissa)
 
     presets: ClassVar[dict[str, dict]] = {
         'default': {},
@@ -87,6 +91,24 @@ class TrainConfig(Config):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
         for f in ('max_steps', 'epochs', 'checkpoint_every', 'checkpoints_total_limit', 'sample_every'):
             if getattr(self, f) is not None and getattr(self, f) < 1: bad(f, "must be >= 1 or None.")
+
+# %% ../../nbs/02c_loop.ipynb #5b824f77
+TRAIN_FLAGS = [
+    Flag('--train_batch_size', 'train.batch_size', ('--batch_size',)),
+    Flag('--max_train_steps', 'train.max_steps', ('--max_steps',)),
+    Flag('--num_train_epochs', 'train.epochs', ('--epochs',)),
+    Flag('--learning_rate', 'train.lr', ('--lr',)),
+    Flag('--lr_warmup_steps', 'train.warmup_steps', ('--warmup_steps',)),
+    Flag('--gradient_accumulation_steps', 'train.grad_accum', ('--grad_accum',)),
+    Flag('--adam_weight_decay', 'train.weight_decay', ('--weight_decay',)),
+    Flag('--adam_epsilon', 'train.adam_eps', ('--adam_eps',)),
+    Flag('--use_ema', 'train.ema', ('--ema',)),
+    Flag('--checkpointing_steps', 'train.checkpoint_every', ('--checkpoint_every',)),
+    Flag('--resume_from_checkpoint', 'train.resume', ('--resume',)),
+    Flag('--validation_steps', 'train.sample_every', ('--sample_every',)),
+    Flag('--report_to', 'train.tracker', ('--tracker',)),
+    Flag('--tracker_project_name', 'train.experiment', ('--experiment',)),
+]
 
 # %% ../../nbs/02c_loop.ipynb #61ab0962
 @runtime_checkable
@@ -139,6 +161,7 @@ def make_optimizer(model:nn.Module, cfg:TrainConfig, lr_by_prefix:dict[str, floa
 def make_accelerator(cfg:TrainConfig, **kwargs) -> Accelerator:
     "The `Accelerator` for `cfg`: mixed precision (the launcher's when `cfg.mixed_precision` is None), accumulation, seedable data order, logging folders."
     if cfg.tracker != 'none': check_tracker(cfg.tracker)
+    if cfg.allow_tf32: torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     # accelerate's state is a per-process singleton: a notebook may train several configs (fp32, then bf16) in one
     # process, and a process forked by `debug_launcher` inherits its parent's single-process state; start afresh.
     single = bool(PartialState._shared_state) and not PartialState().use_distributed
@@ -174,6 +197,9 @@ class Trainer:
         self.step = self.epoch = self.batch_in_epoch = self.bad_total = self.bad_run = 0
         self.epoch_metrics, self.epoch_sums, self.history = [], {}, []
         self.run_name, self._stop_signal, self.ema = cfg.run_name, 0, None
+        if cfg.validation_prompts:
+            if not hasattr(task, 'sample_prompts'): raise ConfigError(f"TrainConfig.validation_prompts given but {type(task).__name__} samples without prompts.")
+            task.sample_prompts = list(cfg.validation_prompts)
         self._setup(dataloader)
 
 # %% ../../nbs/02c_loop.ipynb #c9e0ed55
@@ -244,19 +270,63 @@ def _start_clock(self:Trainer, resumed:Path|None):
     self._t_end, self._img_end = self._t0, 0
     self._log_t, self._log_img = self._t0, 0
 
+TRACKER_FILE = 'tracker.json'
+
+def mlflow_uri(cfg:TrainConfig) -> str:
+    "The MLflow store of `cfg`: `tracking_uri`, else `$MLFLOW_TRACKING_URI`, else a sqlite file `mlruns.db` in the working directory."
+    import os
+    return cfg.tracking_uri or os.environ.get('MLFLOW_TRACKING_URI') or f"sqlite:///{Path.cwd()/'mlruns.db'}"
+
 @patch
-def _start_logging(self:Trainer):
+def _start_logging(self:Trainer, resumed:Path|None=None):
     cfg, acc = self.cfg, self.acc
     self.run_name = self.run_name or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-    self.info = run_info(cfg, acc, self.sections) | {'run_name': self.run_name}
+    self.info = run_info(cfg, acc, self.sections) | {'run_name': self.run_name, 'task': f"{type(self.task).__module__}.{type(self.task).__qualname__}"}
+    if acc.is_main_process: self.out.mkdir(parents=True, exist_ok=True)
+    if cfg.tracker != 'none': self.info['tracker'] = self._start_tracker(resumed)
     if acc.is_main_process:
-        self.out.mkdir(parents=True, exist_ok=True)
         write_atomic(self.out/'run_info.json', json.dumps(self.info, indent=1))
-    if cfg.tracker == 'none': return
-    kw = {'mlflow': {'run_name': self.run_name, 'tags': cfg.tags},
-          'wandb': {'name': self.run_name, 'tags': [f"{k}:{v}" for k, v in cfg.tags.items()]}}
-    acc.init_trackers(self.run_name if cfg.tracker == 'tensorboard' else cfg.experiment,
-                      config=flat_params(self.info), init_kwargs=kw)
+        # the resolved sections as a file `--config` reads: the run repeated exactly
+        write_atomic(self.out/'config.yaml', yaml.safe_dump({k: v for k, v in self.info['config'].items() if k != 'launcher'}, sort_keys=False))
+
+def _log_new_params(params:dict):
+    "Into the active MLflow run, which refuses to change a logged parameter: log the new `params`, and the changed ones as `changed_on_resume/` tags."
+    import mlflow
+    run = mlflow.active_run()
+    old = mlflow.tracking.MlflowClient().get_run(run.info.run_id).data.params
+    new = {k: v for k, v in params.items() if k not in old}
+    for i in range(0, len(new), 100): mlflow.log_params(dict(list(new.items())[i:i+100]))
+    changed = {f"changed_on_resume/{k}": str(v)[:5000] for k, v in params.items() if k in old and str(v) != old[k]}
+    if changed: mlflow.set_tags(changed)
+
+@patch
+def _start_tracker(self:Trainer, resumed:Path|None) -> dict:
+    "Start the tracker; a resumed run continues its MLflow run and its TensorBoard curves (events after the checkpoint are dropped)."
+    cfg, acc = self.cfg, self.acc
+    prev = json.loads((self.out/TRACKER_FILE).read_text()) if (self.out/TRACKER_FILE).exists() else {}
+    kw, state = {}, {'tracker': cfg.tracker, 'run_name': self.run_name}
+    if cfg.tracker == 'mlflow':
+        import mlflow
+        state |= {'tracking_uri': mlflow_uri(cfg), 'experiment': cfg.experiment}
+        if acc.is_main_process: mlflow.set_tracking_uri(state['tracking_uri'])
+        same = resumed is not None and prev.get('tracker') == 'mlflow' and prev.get('tracking_uri') == state['tracking_uri']
+        kw['mlflow'] = {'run_name': self.run_name, 'tags': {'run_name': self.run_name, **cfg.tags},
+                        'run_id': prev.get('run_id') if same else None}
+    elif cfg.tracker == 'wandb':
+        kw['wandb'] = {'name': self.run_name, 'tags': [f"{k}:{v}" for k, v in cfg.tags.items()],
+                       **({'id': prev['run_id'], 'resume': 'must'} if resumed is not None and prev.get('run_id') else {})}
+    elif cfg.tracker == 'tensorboard' and resumed is not None:
+        kw['tensorboard'] = {'purge_step': self.step + 1}
+    params = {k: v for k, v in flat_params(self.info).items() if k != 'created'}
+    continued = bool(kw.get('mlflow', {}).get('run_id'))
+    acc.init_trackers(self.run_name if cfg.tracker == 'tensorboard' else cfg.experiment, config={} if continued else params, init_kwargs=kw)
+    if acc.is_main_process:
+        if continued: _log_new_params(params)
+        if cfg.tracker == 'mlflow': state['run_id'] = acc.get_tracker('mlflow', unwrap=True).info.run_id
+        elif cfg.tracker == 'wandb': state['run_id'] = acc.get_tracker('wandb', unwrap=True).id
+        elif cfg.tracker == 'tensorboard': state['log_dir'] = str(self.out/'logs'/self.run_name)
+        write_atomic(self.out/TRACKER_FILE, json.dumps(state, indent=1))
+    return state
 
 @patch
 def _log_images(self:Trainer, grid:Image.Image, path:Path):
@@ -276,7 +346,8 @@ def _sample(self:Trainer):
     if self.ema: self.ema.store(model.parameters()); self.ema.copy_to(model.parameters())
     try:
         model.eval()
-        with torch.no_grad(): out = self.task.sample(self.cfg.n_samples, self.step)
+        n = len(self.cfg.validation_prompts) if self.cfg.validation_prompts else self.cfg.n_samples
+        with torch.no_grad(): out = self.task.sample(n, self.step)
     finally:
         if self.ema: self.ema.restore(model.parameters())
         model.train(was_training)
@@ -432,10 +503,26 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
                 save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path/'model.safetensors'))
         finally:
             if self.ema: self.ema.restore(model.parameters())
+        if getattr(self, 'info', None): write_atomic(path/'run_info.json', json.dumps(self.info, indent=1))  # what made these weights
     self.acc.wait_for_everyone()
     return path
 
 # %% ../../nbs/02c_loop.ipynb #fa0850af
+INITIAL_MODEL = 'initial_model'
+
+@patch
+def _save_initial_model(self:Trainer) -> Path|None:
+    "A task that can reload itself (`save_pretrained` + `from_pretrained`) is saved once before the first step: the frozen parts and the starting weights, which `scripts/export_checkpoint.py` joins with any checkpoint's trained weights."
+    path = self.out/INITIAL_MODEL
+    if not (hasattr(self.task, 'save_pretrained') and hasattr(type(self.task), 'from_pretrained')) or path.exists(): return None
+    if self.acc.is_main_process:
+        tmp = self.out/f"{TMP_PREFIX}{INITIAL_MODEL}"
+        if tmp.exists(): shutil.rmtree(tmp)
+        self.task.save_pretrained(tmp)
+        os.rename(tmp, path)
+    self.acc.wait_for_everyone()
+    return path
+
 @patch
 def fit(self:Trainer) -> dict:
     "Train until `max_steps`; returns a summary. Raises `Preempted` (exit code 75) after a stop signal, `NonFiniteLossError` after too many bad steps."
@@ -445,7 +532,8 @@ def fit(self:Trainer) -> dict:
     resumed = self._resume()
     if resumed is not None and acc.is_main_process:
         print(f"resuming from {resumed} (step {self.step} of {self.max_steps}, run {self.run_name})", file=sys.stderr, flush=True)
-    self._start_logging()
+    self._start_logging(resumed)
+    if resumed is None: self._save_initial_model()
     self._install_signals()
     self._start_clock(resumed)
     bar = tqdm(total=self.max_steps, initial=self.step, disable=not acc.is_main_process, desc=self.run_name, dynamic_ncols=True)
