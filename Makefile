@@ -14,8 +14,12 @@ endif
 
 .PHONY: install export check test main diagnose sysdeps
 install: $(VENV)/.installed
+# the first Python 3.10+ that runs: python3, else python3.13 ... python3.10 (override: make PYTHON=/path/to/python3)
+PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11 python3.10; do \
+            $$p -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null && { command -v $$p; break; }; done)
 $(VENV)/.installed: pyproject.toml constraints.txt
-	test -x $(PY) || python3 -m venv $(VENV)
+	@test -x $(PY) || test -n "$(PYTHON)" || { echo "no Python 3.10 or later found on PATH: install one, or run make PYTHON=/path/to/python3"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev]"
 	touch $@
@@ -49,20 +53,21 @@ test: check sysdeps
 
 # The main job: Shapes -> tiny VAE -> tiny latent diffusion -> held-out prompts -> grid + metrics JSON.
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
+# The recipes are scripts/configs/main_vae.yaml and main_ldm.yaml; VAE_STEPS / LDM_STEPS override their step counts.
 MAIN ?= runs/main
-VAE_STEPS ?= 1000
-LDM_STEPS ?= 2200
+VAE_STEPS ?=
+LDM_STEPS ?=
 N_EVAL ?= 200
 N_TRAIN ?= 10000
 # on CPU, one process that uses every core (accelerate launch alone would pin it to one thread)
 LAUNCH := $(BIN)/accelerate launch $(if $(ACCELERATE_USE_CPU),--num_processes 1 --num_cpu_threads_per_process $(shell nproc),)
-main: install
+main: check
 	$(BIN)/imagegen-diagnose
 	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
-	$(LAUNCH) scripts/train_vae.py --output_dir $(MAIN)/vae --dataset $(MAIN)/shapes/imagefolder/train --max_steps $(VAE_STEPS) --tracker tensorboard
-	$(LAUNCH) scripts/train_ldm.py --output_dir $(MAIN)/ldm --dataset $(MAIN)/shapes/imagefolder/train --vae $(MAIN)/vae/model \
-	  --max_steps $(LDM_STEPS) --batch_size 64 --lr 5e-4 --warmup_steps 100 --ema --ema_decay 0.999 --tracker tensorboard \
-	  --cache_latents --train_text_encoder --pooled_text
+	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_vae.yaml --output_dir $(MAIN)/vae \
+	  --train_data_dir $(MAIN)/shapes/imagefolder/train $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
+	$(LAUNCH) scripts/train_ldm.py --config scripts/configs/main_ldm.yaml --output_dir $(MAIN)/ldm --vae $(MAIN)/vae/model \
+	  --train_data_dir $(MAIN)/shapes/imagefolder/train $(if $(LDM_STEPS),--max_train_steps $(LDM_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/samples
 	@echo "grid: $(MAIN)/samples/grid.png  metrics: $(MAIN)/samples/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json, os
 from pathlib import Path
 from PIL import Image
-from fastcore.script import call_parse
+from fastcore.script import bool_arg, call_parse
 from imagegen.autoencoders.kl import ImageAutoencoder
 from imagegen.metrics import evaluate_images, first_stage_report, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
@@ -37,6 +37,27 @@ def first_stage(rows:list[dict], which:str|None) -> Path|None:
     model = rows[0].get('model')
     return Path(model)/'vae' if model and (Path(model)/'vae'/'config.json').exists() else None
 
+def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=None) -> str|None:
+    "Log numeric `metrics` as `eval/<name>` into the tracker run that trained `model_dir`; returns where, or None."
+    from imagegen.training.tracking import scalars
+    info_file = Path(model_dir)/'run_info.json' if model_dir else None
+    if info_file is None or not info_file.exists(): return None
+    info = json.loads(info_file.read_text())
+    tr, step = info.get('tracker') or {}, int(info.get('export', {}).get('step') or info.get('step') or 0)
+    vals = {f"eval/{k}": v for k, v in scalars(metrics).items()}
+    if tr.get('tracker') == 'mlflow' and tr.get('run_id'):
+        from mlflow.tracking import MlflowClient
+        client = MlflowClient(tr['tracking_uri'])
+        for k, v in vals.items(): client.log_metric(tr['run_id'], k, v, step=step)
+        if grid is not None and grid.exists(): client.log_artifact(tr['run_id'], str(grid), artifact_path='eval')
+        return f"MLflow run {tr['run_id']} ({tr['tracking_uri']}), step {step}"
+    if tr.get('tracker') == 'tensorboard' and tr.get('log_dir'):
+        from torch.utils.tensorboard import SummaryWriter
+        with SummaryWriter(tr['log_dir']) as w:
+            for k, v in vals.items(): w.add_scalar(k, v, step)
+        return f"TensorBoard {tr['log_dir']}, step {step}"
+    return None
+
 @call_parse
 def main(samples:str='runs/samples', # folder written by scripts/sample.py
          out:str=None, # metrics JSON (default: SAMPLES/metrics.json)
@@ -44,6 +65,7 @@ def main(samples:str='runs/samples', # folder written by scripts/sample.py
          clip:str=None, # CLIP model name or local folder for CLIP score (skipped when not given)
          feature:str='auto', # FID/KID features: auto (Inception if torch-fidelity is installed, else random-conv), inception, random
          vae:str='auto', # first-stage ceiling: oracle on this VAE's reconstructions of the true images ('auto': the model's vae/; '' skips)
+         log_to_run:bool_arg=True, # also log the metrics into the MLflow run / TensorBoard folder of the run that trained the model
         ):
     "Compute every metric the samples allow and write them as JSON."
     if int(os.environ.get('RANK', 0)) > 0: return None  # not the main process of a launch: rank 0 does it all
@@ -67,4 +89,6 @@ def main(samples:str='runs/samples', # folder written by scripts/sample.py
         print(f"first-stage ceiling (oracle on VAE reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
     if 'fid' in m: print(f"FID {m['fid']:.2f}  KID {m['kid_mean']:.4f} ({m['fid_features']})")
     print(f"metrics written to {path}")
+    where = log_to_training_run(m, rows[0].get('model'), Path(samples)/'grid.png') if log_to_run else None
+    if where: print(f"metrics logged to {where}")
     return m

@@ -27,7 +27,7 @@ def test_launcher_mixed_precision_reaches_the_accelerator(tmp_path):
 def test_run_info_holds_model_and_data_and_vae_grid(tmp_path):
     info = vae_run(tmp_path, '--mixed_precision', 'no')
     cfg = info['config']
-    assert cfg['data'] == {'dataset': 'shapes:n=16', 'resolution': 32}
+    assert cfg['data']['dataset'] == 'shapes:n=16' and cfg['model']['resolution'] == 32
     assert cfg['model']['latent_channels'] == 4 and cfg['model']['kl_weight'] == 1e-6
     assert cfg['train']['max_steps'] == 2 and cfg['launcher']['num_processes'] == 1
     from PIL import Image

@@ -76,7 +76,7 @@ class TrainConfig(Config):
     presets: ClassVar[dict[str, dict]] = {
         'default': {},
         'tiny': dict(max_steps=20, batch_size=4, lr=1e-3, log_every=1, checkpoint_every=10, tracker='none', warmup_steps=2),
-        'cluster': dict(max_steps=200_000, batch_size=32, lr_scheduler='cosine', warmup_steps=1000, mixed_precision='bf16',
+        'cluster': dict(max_steps=200_000, batch_size=32, lr_scheduler='cosine', warmup_steps=1000,   # precision: the launcher's
                         ema=True, checkpoint_every=2000, sample_every=2000, log_every=50),
     }
 
@@ -308,7 +308,12 @@ def _start_tracker(self:Trainer, resumed:Path|None) -> dict:
     if cfg.tracker == 'mlflow':
         import mlflow
         state |= {'tracking_uri': mlflow_uri(cfg), 'experiment': cfg.experiment}
-        if acc.is_main_process: mlflow.set_tracking_uri(state['tracking_uri'])
+        if acc.is_main_process:
+            mlflow.set_tracking_uri(state['tracking_uri'])
+            db = state['tracking_uri'].removeprefix('sqlite:///')
+            if db != state['tracking_uri'] and mlflow.get_experiment_by_name(cfg.experiment) is None:
+                # a local store keeps its artifacts (sample grids) beside the database, not in ./mlruns of whoever logs next
+                mlflow.create_experiment(cfg.experiment, artifact_location=(Path(db).resolve().parent/'mlartifacts').as_uri())
         same = resumed is not None and prev.get('tracker') == 'mlflow' and prev.get('tracking_uri') == state['tracking_uri']
         kw['mlflow'] = {'run_name': self.run_name, 'tags': {'run_name': self.run_name, **cfg.tags},
                         'run_id': prev.get('run_id') if same else None}
@@ -503,7 +508,7 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
                 save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path/'model.safetensors'))
         finally:
             if self.ema: self.ema.restore(model.parameters())
-        if getattr(self, 'info', None): write_atomic(path/'run_info.json', json.dumps(self.info, indent=1))  # what made these weights
+        if getattr(self, 'info', None): write_atomic(path/'run_info.json', json.dumps(self.info | {'step': self.step}, indent=1))  # what made these weights
     self.acc.wait_for_everyone()
     return path
 
