@@ -199,7 +199,8 @@ def _arg_kwargs(hint) -> dict:
 def run_parser(defaults:dict[str, Config], flags:list[Flag]=(), description:str|None=None, prog:str|None=None) -> argparse.ArgumentParser:
     "An `ArgumentParser` with `--config FILE`, the `flags`, every field as `--section.field`, and unique field names as `--field`."
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                argument_default=argparse.SUPPRESS, usage='%(prog)s [--config FILE] [--FLAG VALUE ...]')
+                                argument_default=argparse.SUPPRESS, usage='%(prog)s [--config FILE] [--FLAG VALUE ...]',
+                                allow_abbrev=False)   # '--max_step 3' is a typo, not --max_steps
     p.add_argument('--config', metavar='FILE', help="YAML file with sections " + ', '.join(f'{s}:' for s in defaults)
                    + " (a run's config.yaml or run_info.json works); flags given here override it")
     types_ = {s: type(c).field_types() for s, c in defaults.items()}

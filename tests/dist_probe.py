@@ -62,11 +62,11 @@ def _instrument_training():
         ck = _resume(self)
         REC.update(start_step=self.step, resumed_from=str(ck) if ck else None)
         return ck
-    def start_logging(self):  # runs after resume, before the first update
+    def start_logging(self, resumed=None):  # runs after resume, before the first update
         model = self.acc.unwrap_model(self.model)
         REC['params_start'] = _flat(model.parameters())
         if self.ema: REC['ema_start'] = _flat(self.ema.shadow_params)
-        return _start_logging(self)
+        return _start_logging(self, resumed)
     def fit(self):
         try: return _fit(self)
         finally:

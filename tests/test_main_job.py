@@ -14,3 +14,7 @@ def test_main_job_tiny(tmp_path):
     assert 'first-stage ceiling' in p.stdout
     assert (out/'samples'/'grid.png').exists() and (out/'ldm'/'model'/'model_index.json').exists()
     assert (out/'ldm'/'run_info.json').exists() and list((out/'ldm'/'logs').rglob('events.out.tfevents*'))
+    cfg = json.loads((out/'ldm'/'run_info.json').read_text())['config']      # the recipe of scripts/configs/main_ldm.yaml, steps from LDM_STEPS
+    assert cfg['model']['train_text_encoder'] and cfg['model']['pooled_text'] and cfg['data']['cache_latents']
+    assert (cfg['train']['max_steps'], cfg['train']['batch_size'], cfg['train']['ema']) == (3, 64, True)
+    assert f"metrics logged to TensorBoard {out/'ldm'/'logs'}" in p.stdout and 'step 3' in p.stdout   # evaluate.py -> the run's curves
