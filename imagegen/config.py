@@ -11,11 +11,14 @@ from typing import Any, ClassVar
 import yaml
 
 # %% auto #0
-__all__ = ['IGNORED_SECTIONS', 'ConfigError', 'Config', 'read_run_file', 'resolve_run', 'run_yaml', 'Flag', 'run_parser',
-           'parse_run']
+__all__ = ['IGNORED_SECTIONS', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run', 'run_yaml', 'Flag',
+           'run_parser', 'parse_run', 'run_cli']
 
 # %% ../nbs/00b_config.ipynb #61751582
-class ConfigError(ValueError):
+class UserError(Exception):
+    "Something the user gave (a setting, a file, a folder) cannot be used: the message says what, where and what to do; CLIs print it in one line."
+
+class ConfigError(UserError, ValueError):
     "A configuration value or file that cannot be used; the message names the field and what to do."
 
 _TRUE, _FALSE = ('1', 'true', 'yes', 'on'), ('0', 'false', 'no', 'off')
@@ -247,3 +250,12 @@ def parse_run(defaults:dict[str, Config], flags:list[Flag]=(), argv:list[str]|No
             overrides.setdefault(s, {})[f] = v
     try: return resolve_run(defaults, path, overrides)
     except ConfigError as e: p.error(str(e))
+
+# %% ../nbs/00b_config.ipynb #fbf91991
+def run_cli(main, argv:list[str]|None=None, prog:str|None=None):
+    "Call `main(argv)`; a `UserError` or a missing file becomes one line on stderr and exit status 2."
+    import sys
+    try: return main(argv)
+    except (UserError, FileNotFoundError) as e:
+        print(f"{prog or Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -12,7 +12,7 @@ from PIL import Image, UnidentifiedImageError
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from dataclasses import dataclass
-from .config import Config, ConfigError, Flag
+from .config import Config, ConfigError, Flag, UserError
 from .shapes import ShapesDataset, flip_caption, flip_scene
 
 # %% auto #0
@@ -20,8 +20,8 @@ __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 
            'open_image', 'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values', 'ImageTransform',
            'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder',
            'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample', 'dist_info', 'ShardSource',
-           'load_hf', 'HFSource', 'make_dataset', 'CaptionCollator', 'make_dataloader', 'DataConfig', 'is_shapes',
-           'shapes_prompts']
+           'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator', 'make_dataloader', 'DataConfig',
+           'is_shapes', 'shapes_prompts']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -97,7 +97,7 @@ class ImageTransform:
 # %% ../nbs/01a_data.ipynb #daa8181a
 log = logging.getLogger('imagegen.data')
 
-class BadDataError(RuntimeError):
+class BadDataError(UserError, RuntimeError):
     "Too many bad samples in a data source."
 
 class BadSampleLog:
@@ -472,6 +472,14 @@ def _is_shards(source) -> bool:
     if '.tar' in s: return True
     return Path(s).is_dir() and any(Path(s).glob('*.tar')) and not (Path(s)/'metadata.jsonl').exists()
 
+# %% ../nbs/01a_data.ipynb #d74b02d2
+def looks_like_path(s:str) -> bool:
+    "Whether `s` reads as a local path rather than a Hub id: absolute, `./`, `../` or `~`, or under a local folder that exists."
+    s = str(s)
+    if s.startswith(('/', './', '../', '~')) or s in ('.', '..'): return True
+    head = s.split('/')[0]
+    return '/' in s and Path(head).is_dir()
+
 # %% ../nbs/01a_data.ipynb #5cbe7a46
 def make_dataset(source, resolution:int=32, split:str='train', *, crop:str='center', flip_p:float=0.,
                  cache_dir:str|None=None, data_dir:str|None=None, image_column:str|None=None, caption_column:str|None=None,
@@ -491,6 +499,9 @@ def make_dataset(source, resolution:int=32, split:str='train', *, crop:str='cent
         if not (root/'metadata.jsonl').exists() and (root/split/'metadata.jsonl').exists(): root = root/split
         return ImageFolderSource(root, tf, caption_column, **bad)
     name = str(source).removeprefix('hf:')
+    if not str(source).startswith('hf:') and looks_like_path(name):
+        raise FileNotFoundError(f"dataset {name} does not exist (a local path, not a Hub id: checked before any download). "
+                                "Give an existing image folder or shard pattern, or 'hf:user/name' for a Hub dataset.")
     if data_dir is not None: kwargs['data_dir'] = str(data_dir)
     ds = load_hf(name, split, cache_dir=cache_dir, **kwargs)
     return HFSource(ds, tf, image_column, caption_column, name=name, **bad)
@@ -544,18 +555,25 @@ class DataConfig(Config):
     caption_dropout: float = 0.0     # probability that a caption becomes '' (classifier-free guidance)
     num_workers: int = 0             # DataLoader worker processes
     cache_dir: str|None = None       # Hub datasets cache
-    max_bad_frac: float = 0.05       # abort when more than this fraction of samples cannot be read
+    max_bad_frac: float = 0.05       # abort when more than this fraction of samples cannot be read (bad ones are skipped and counted)
+    epoch_size: int|None = None      # WebDataset shards: samples per epoch of the resampled stream (default: one pass of the shards)
+    shuffle_buffer: int = 1000       # WebDataset shards: shuffle buffer per reader
 
     presets = {'default': {}, 'shapes': {}}
 
     def __post_init__(self):
         if not 0 <= self.caption_dropout <= 1: raise ConfigError(f"DataConfig.caption_dropout={self.caption_dropout}: must be in [0, 1].")
+        if not 0 <= self.max_bad_frac <= 1: raise ConfigError(f"DataConfig.max_bad_frac={self.max_bad_frac}: must be in [0, 1].")
+        if self.num_workers < 0: raise ConfigError(f"DataConfig.num_workers={self.num_workers}: must be >= 0.")
+        if self.epoch_size is not None and self.epoch_size < 1: raise ConfigError(f"DataConfig.epoch_size={self.epoch_size}: must be >= 1 or None.")
+        if not str(self.dataset).strip(): raise ConfigError("DataConfig.dataset is empty: name a dataset, folder or shard pattern.")
 
     def make_dataset(self, resolution:int, **kwargs):
         "The dataset of `self.dataset` at `resolution` (`imagegen.data.make_dataset`)."
         return make_dataset(self.dataset, resolution, self.split, crop='center' if self.center_crop else 'random',
                             flip_p=0.5 if self.random_flip else 0., cache_dir=self.cache_dir, image_column=self.image_column,
-                            caption_column=self.caption_column, max_bad_frac=self.max_bad_frac, **kwargs)
+                            caption_column=self.caption_column, max_bad_frac=self.max_bad_frac, epoch_size=self.epoch_size,
+                            shuffle_buffer=self.shuffle_buffer, **kwargs)
 
     def make_dataloader(self, batch_size:int, resolution:int, dataset=None, **kwargs) -> DataLoader:
         "Batches of `dataset` (default: `self.make_dataset(resolution)`) with this section's dropout and workers."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 import argparse, importlib, json, os, shutil
 from pathlib import Path
+from imagegen.config import run_cli
 
 def task_class(info:dict):
     "The task class a run recorded in `run_info.json` (`module.QualName`)."
@@ -13,7 +14,7 @@ def task_class(info:dict):
 
 def export_checkpoint(run:str|Path, output_dir:str|Path, step:int|str|None='latest', ema:str|bool='auto'):
     "Write checkpoint `step` of `run` (EMA weights with `ema` True, raw with False, 'auto': EMA when the run kept one) as a model folder `output_dir`."
-    from imagegen.training.checkpoints import _ema_state, find_checkpoint, load_trained_weights, write_atomic
+    from imagegen.training.checkpoints import check_checkpoint, ema_tensors, find_checkpoint, load_trained_weights, write_atomic
     from imagegen.training.loop import INITIAL_MODEL
     run, out = Path(run), Path(output_dir)
     if out.exists() and any(out.iterdir()): raise FileExistsError(f"{out} exists and is not empty: choose a new --output_dir (nothing is overwritten).")
@@ -22,7 +23,8 @@ def export_checkpoint(run:str|Path, output_dir:str|Path, step:int|str|None='late
     if not initial.is_dir(): raise FileNotFoundError(f"{initial} not found: the run's task cannot reload itself, or the run predates export support.")
     info = json.loads(info_file.read_text())
     ckpt = find_checkpoint(run, step)
-    use_ema = (_ema_state(ckpt) is not None) if ema == 'auto' else bool(ema)
+    check_checkpoint(ckpt)   # every file read safely before anything is loaded
+    use_ema = (ema_tensors(ckpt) is not None) if ema == "auto" else bool(ema)
     task = task_class(info).from_pretrained(initial)
     load_trained_weights(task.trainable, ckpt, ema=use_ema)
     tmp = out.with_name(f".tmp-{out.name}")
@@ -49,4 +51,4 @@ def main(argv:list[str]|None=None) -> Path:
     print(f"{out}: {json.loads((out/'run_info.json').read_text())['export']}")
     return out
 
-if __name__ == '__main__' and '__file__' in globals(): main()   # run as a script (a notebook has no __file__)
+if __name__ == '__main__' and '__file__' in globals(): run_cli(main, prog='export_checkpoint.py')   # run as a script (a notebook has no __file__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 import sys
 from imagegen.autoencoders.kl import VAEConfig, VAETask
-from imagegen.config import parse_run
+from imagegen.config import parse_run, run_cli
 from imagegen.data import DATA_FLAGS, DataConfig
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig, train
 
@@ -24,4 +24,4 @@ def main(argv:list[str]|None=None) -> VAETask:
     run = parse_run(DEFAULTS, FLAGS, argv, description=main.__doc__, prog='train_vae.py')
     return train_vae(run['train'], run['model'], run['data'])
 
-if __name__ == '__main__' and '__file__' in globals(): main()   # run as a script (a notebook has no __file__)
+if __name__ == '__main__' and '__file__' in globals(): run_cli(main, prog='train_vae.py')   # run as a script (a notebook has no __file__)

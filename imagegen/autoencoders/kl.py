@@ -12,7 +12,7 @@ from torch import nn
 from diffusers import AutoencoderKL
 from fastcore.basics import patch
 from dataclasses import dataclass
-from ..config import Config
+from ..config import Config, ConfigError
 from ..grids import to_pil
 
 # %% auto #0
@@ -160,6 +160,16 @@ class VAEConfig(Config):
     l2_weight:float = 1.0                # weight of the L2 reconstruction loss
 
     presets = {'tiny': {}, 'small': dict(resolution=64, base_channels=64)}
+
+    def __post_init__(self):
+        def bad(f, msg): raise ConfigError(f"VAEConfig.{f}={getattr(self, f)!r}: {msg}")
+        for f in ('n_down', 'base_channels', 'latent_channels'):
+            if getattr(self, f) < 1: bad(f, "must be >= 1.")
+        if self.resolution < 8 or self.resolution % 2 ** (self.n_down - 1):
+            bad('resolution', f"must be >= 8 and divisible by the downsampling 2**(n_down-1) = {2 ** (self.n_down - 1)}.")
+        if self.base_channels % 2: bad('base_channels', "must be even (group norm uses base_channels // 2 groups).")
+        for f in ('kl_weight', 'l1_weight', 'l2_weight'):
+            if not getattr(self, f) >= 0: bad(f, "must be >= 0.")
 
 class VAETask:
     "Task for the shared training loop: reconstruction (L1 + L2) + `kl_weight` × KL for an `AutoencoderKL`."

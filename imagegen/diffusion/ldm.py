@@ -72,6 +72,15 @@ class LDMConfig(Config):
             raise ConfigError(f"LDMConfig.prediction_type={self.prediction_type!r}: use 'epsilon' or 'v_prediction'.")
         if len(self.block_out_channels) != len(self.attention_levels):
             raise ConfigError(f"LDMConfig: block_out_channels {self.block_out_channels} and attention_levels {self.attention_levels} need one entry per resolution level each.")
+        def bad(f, msg): raise ConfigError(f"LDMConfig.{f}={getattr(self, f)!r}: {msg}")
+        if self.resolution < 8 or self.resolution % 8: bad('resolution', "must be a positive multiple of 8 (e.g. 32, 64, 512).")
+        if not all(c >= 1 for c in self.block_out_channels): bad('block_out_channels', "every level needs >= 1 channel.")
+        for f in ('vae_n_down', 'text_hidden', 'text_layers', 'text_max_length', 'layers_per_block', 'attention_head_dim', 'num_train_timesteps'):
+            if getattr(self, f) < 1: bad(f, "must be >= 1.")
+        if self.snr_gamma is not None and not self.snr_gamma > 0: bad('snr_gamma', "must be > 0 (5.0 is usual), or None for plain MSE.")
+        if not 0 <= self.cond_dropout <= 1: bad('cond_dropout', "must be in [0, 1].")
+        if not self.noise_offset >= 0: bad('noise_offset', "must be >= 0.")
+        if self.text_encoder_lr is not None and not self.text_encoder_lr > 0: bad('text_encoder_lr', "must be > 0, or None for the UNet's rate.")
 
     def source(self, part:str) -> tuple[str|None, dict]:
         "Where component `part` ('vae', 'text_encoder' or 'unet') comes from, and how to load it: the field, else the pretrained model, else 'tiny' (None: build the UNet)."

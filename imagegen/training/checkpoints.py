@@ -4,14 +4,16 @@
 
 # %% ../../nbs/02a_checkpoints.ipynb #59aa0be2
 from __future__ import annotations
-import json, os, shutil, signal, warnings
+import json, os, re, shutil, signal, warnings
 from pathlib import Path
 from accelerate import Accelerator
+from ..config import UserError
 
 # %% auto #0
-__all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic', 'list_checkpoints',
-           'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'Preempted', 'find_checkpoint',
-           'load_trained_weights']
+__all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
+           'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
+           'check_checkpoint', 'usable_checkpoint', 'ema_tensors', 'RunLocked', 'holder_gone', 'acquire_run_lock',
+           'release_run_lock', 'Preempted', 'find_checkpoint', 'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -28,21 +30,30 @@ def list_checkpoints(ckpt_dir:str|Path) -> list[Path]:
     if not ckpt_dir.is_dir(): return []
     return sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(CKPT_PREFIX)), key=lambda p: int(p.name[len(CKPT_PREFIX):]))
 
+def _pointed(ckpt_dir:Path) -> Path|None:
+    "The folder `ckpt_dir/latest` names, if it names one of this folder's checkpoints (never a path elsewhere)."
+    ptr = ckpt_dir/LATEST
+    if not ptr.exists(): return None
+    name = ptr.read_text(errors='replace').strip()
+    if not re.fullmatch(re.escape(CKPT_PREFIX) + r'\d+', name):
+        warnings.warn(f"{ptr} holds {name[:80]!r}, not the name of a checkpoint in {ckpt_dir}; ignoring it.")
+        return None
+    return ckpt_dir/name
+
 def latest_checkpoint(ckpt_dir:str|Path) -> Path|None:
     "The checkpoint that `ckpt_dir/latest` names (falling back to the newest complete one), or None."
     ckpt_dir = Path(ckpt_dir)
-    ptr = ckpt_dir/LATEST
-    if ptr.exists():
-        p = ckpt_dir/ptr.read_text().strip()
+    p = _pointed(ckpt_dir)
+    if p is not None:
         if (p/'trainer_state.json').exists(): return p
-        warnings.warn(f"{ptr} names {p.name}, which is missing or incomplete; using the newest complete checkpoint.")
+        warnings.warn(f"{ckpt_dir/LATEST} names {p.name}, which is missing or incomplete; using the newest complete checkpoint.")
     done = [p for p in list_checkpoints(ckpt_dir) if (p/'trainer_state.json').exists()]
     return done[-1] if done else None
 
 # %% ../../nbs/02a_checkpoints.ipynb #8d9e3a95
 def save_checkpoint(accelerator:Accelerator, ckpt_dir:str|Path, step:int, state:dict, info:dict|None=None,
-                    total_limit:int|None=None) -> Path:
-    "Atomically write `accelerator.save_state` + `state` to `ckpt_dir/step_<step>`, point `latest` at it, prune old ones."
+                    total_limit:int|None=None, tensors:dict[str, dict]|None=None) -> Path:
+    "Atomically write `accelerator.save_state` + `state` (+ `tensors` files) to `ckpt_dir/step_<step>`, point `latest` at it, prune old ones."
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir/f"{CKPT_PREFIX}{step:08d}", ckpt_dir/f"{TMP_PREFIX}{CKPT_PREFIX}{step:08d}"
     if accelerator.is_main_process:
@@ -52,6 +63,9 @@ def save_checkpoint(accelerator:Accelerator, ckpt_dir:str|Path, step:int, state:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        from safetensors.torch import save_file
+        for name, ts in (tensors or {}).items():   # e.g. the EMA: tensors in safetensors, never pickles
+            save_file({k: v.detach().contiguous().cpu() for k, v in ts.items()}, str(tmp/name))
         write_atomic(tmp/'trainer_state.json', json.dumps(state, indent=1))
         if info is not None: write_atomic(tmp/'run_info.json', json.dumps(info, indent=1))
         if final.exists(): shutil.rmtree(final)   # only when re-saving the same step
@@ -69,6 +83,130 @@ def clean_partial_checkpoints(ckpt_dir:str|Path) -> list[Path]:
     gone = [p for p in ckpt_dir.glob(TMP_PREFIX + '*')] if ckpt_dir.is_dir() else []
     for p in gone: shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
     return gone
+
+# %% ../../nbs/02a_checkpoints.ipynb #5565123f
+EMA_FILE = 'ema.safetensors'
+_TORCH_FILES = ('.bin', '.pt', '.pth', '.pkl')
+
+class CheckpointError(UserError, RuntimeError):
+    "A checkpoint that cannot be used safely or is damaged; the message names the checkpoint and the file."
+
+def _torch_load_safe(f:Path):
+    "`torch.load` with `weights_only=True` (no code runs), allowing only the numpy types accelerate's random states need."
+    import torch
+    from accelerate.utils.other import load
+    return load(str(f), map_location='cpu', weights_only=True)
+
+def check_checkpoint(ckpt:str|Path) -> dict:
+    "Read every file of checkpoint `ckpt` without running code; returns its trainer state, or raises `CheckpointError` naming the bad file."
+    from safetensors import safe_open
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir(): raise CheckpointError(f"{ckpt} is not a checkpoint folder.")
+    st = ckpt/'trainer_state.json'
+    try: state = json.loads(st.read_text())
+    except FileNotFoundError: raise CheckpointError(f"{ckpt} has no trainer_state.json: an incomplete checkpoint.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{st} is damaged ({e}).") from None
+    if not isinstance(state, dict) or not isinstance(state.get('step'), int): raise CheckpointError(f"{st} is damaged (no step).")
+    for f in sorted(ckpt.iterdir()):
+        if f.name.startswith('custom_checkpoint_'):
+            raise CheckpointError(f"{f} is a pickled object, which accelerate would load with weights_only=False: code planted in it "
+                                  "would run. imagegen never writes one, so this checkpoint was made elsewhere or altered. Remove "
+                                  "the file only if you know where it came from, or resume from another checkpoint.")
+        try:
+            if f.suffix == '.safetensors':
+                with safe_open(str(f), 'pt') as h:
+                    for k in h.keys(): h.get_slice(k)[:1] if h.get_slice(k).get_shape() else None
+            elif f.suffix in _TORCH_FILES: _torch_load_safe(f)
+        except Exception as e:
+            raise CheckpointError(f"{f} cannot be read safely ({type(e).__name__}: {str(e)[:200]}): damaged, truncated, or not a "
+                                  "file the training loop wrote.") from None
+    return state
+
+def usable_checkpoint(ckpt_dir:str|Path) -> Path|None:
+    "The newest checkpoint of `ckpt_dir` that `check_checkpoint` accepts, starting from the `latest` pointer; damaged ones are named and skipped."
+    ckpt_dir = Path(ckpt_dir)
+    pointed = _pointed(ckpt_dir)
+    cands = list(reversed(list_checkpoints(ckpt_dir)))
+    if pointed is not None and pointed in cands: cands.remove(pointed); cands.insert(0, pointed)
+    bad = []
+    for c in cands:
+        try: check_checkpoint(c); break
+        except CheckpointError as e: bad.append(str(e)); warnings.warn(f"skipping damaged checkpoint: {e}")
+    else: c = None
+    if c is None and (bad or pointed is not None):
+        raise CheckpointError(f"{ckpt_dir} has checkpoints but none is usable ({'; '.join(bad) or f'latest names the missing {pointed.name}'}). "
+                              "Refusing to restart from step 0 silently: fix or remove them, or start over with resume=None "
+                              "(--resume_from_checkpoint none) in a new output_dir.")
+    if c is not None and pointed is not None and c != pointed:
+        warnings.warn(f"resuming from {c.name}, not {pointed.name} which {ckpt_dir/LATEST} names.")
+    return c
+
+def ema_tensors(ckpt:str|Path) -> list|None:
+    "The EMA weights stored in checkpoint `ckpt` (in `parameters()` order), or None without an EMA."
+    from safetensors.torch import load_file
+    f = Path(ckpt)/EMA_FILE
+    if not f.exists(): return None
+    d = load_file(str(f))
+    return [d[k] for k in sorted(d, key=int)]
+
+# %% ../../nbs/02a_checkpoints.ipynb #de138e5f
+LOCK_FILE = '.lock'
+
+class RunLocked(UserError, RuntimeError):
+    "Another live run holds this output folder."
+
+def _me() -> dict:
+    import datetime, socket
+    return {'host': socket.gethostname(), 'pid': os.getpid(), 'slurm_job_id': os.environ.get('SLURM_JOB_ID'),
+            'slurm_restart': os.environ.get('SLURM_RESTART_COUNT', '0'), 'started': datetime.datetime.now().isoformat(timespec='seconds')}
+
+def holder_gone(h:dict) -> bool:
+    "Whether the run described by lock contents `h` has provably ended (else it may be alive, and its lock is respected)."
+    import socket, subprocess
+    me = _me()
+    job = h.get('slurm_job_id')
+    if job and job == me['slurm_job_id']: return h.get('slurm_restart') != me['slurm_restart'] or h.get('pid') == me['pid']
+    if h.get('host') == me['host'] and isinstance(h.get('pid'), int):
+        try: os.kill(h['pid'], 0)
+        except ProcessLookupError: return True
+        except PermissionError: return False
+        return False
+    if job:
+        try: out = subprocess.run(['squeue', '-h', '-j', str(job), '-o', '%T'], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError): return False
+        return out.returncode == 0 and not out.stdout.strip() or 'Invalid job id' in out.stderr
+    return False
+
+def acquire_run_lock(folder:str|Path) -> Path:
+    "Take `folder/.lock` for this process, taking over a lock whose holder is gone; `RunLocked` names a live holder."
+    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    path, me = folder/LOCK_FILE, _me()
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with os.fdopen(fd, 'w') as f: f.write(json.dumps(me)); f.flush(); os.fsync(f.fileno())
+            if json.loads(path.read_text()).get('pid') == me['pid']: return path
+            continue
+        except FileExistsError:
+            try: h = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError): h = {}
+            if not h:
+                import time
+                if time.time() - path.stat().st_mtime < 30: raise RunLocked(f"{path} is being written by another run starting in {folder}.") from None
+            elif not holder_gone(h):
+                raise RunLocked(f"{folder} is in use by another run (host {h.get('host')}, pid {h.get('pid')}, Slurm job "
+                                f"{h.get('slurm_job_id') or '-'}, since {h.get('started')}). Use another output_dir or stop that run; "
+                                f"if that run is gone and cannot be seen from here, delete {path}.") from None
+            warnings.warn(f"{folder}: taking over the lock of a run that has ended ({h or 'unreadable lock'}).")
+            path.unlink(missing_ok=True)
+    raise RunLocked(f"could not take {path}: other runs are starting in {folder} at the same time.")
+
+def release_run_lock(path:str|Path):
+    "Remove the lock at `path` if this process holds it."
+    path = Path(path)
+    try:
+        if json.loads(path.read_text()).get('pid') == os.getpid(): path.unlink()
+    except (OSError, json.JSONDecodeError): pass
 
 # %% ../../nbs/02a_checkpoints.ipynb #4ff0c8c3
 EXIT_PREEMPTED = 75
@@ -97,28 +235,21 @@ def find_checkpoint(run_dir:str|Path, step:int|str|None=None) -> Path:
         raise FileNotFoundError(f"{run_dir}: no complete checkpoint for step {step}; the run has steps {have}.")
     return c
 
-def _ema_state(ckpt:Path) -> dict|None:
-    import torch
-    for f in sorted(ckpt.glob('custom_checkpoint_*.pkl')):
-        d = torch.load(f, map_location='cpu', weights_only=True)
-        if isinstance(d, dict) and 'shadow_params' in d: return d
-    return None
-
 def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
     "Copy checkpoint `ckpt`'s trained weights (its EMA weights with `ema`) into `module`, which must have the trained module's architecture."
     import torch
     from safetensors.torch import load_file
     ckpt = Path(ckpt)
     if ema:
-        st = _ema_state(ckpt)
-        if st is None: raise ValueError(f"{ckpt} holds no EMA weights (the run trained without --use_ema): export the raw weights instead.")
+        shadow = ema_tensors(ckpt)
+        if shadow is None: raise ValueError(f"{ckpt} holds no EMA weights (the run trained without --use_ema): export the raw weights instead.")
         params = list(module.parameters())
-        if len(st['shadow_params']) != len(params):
-            raise ValueError(f"{ckpt}: the EMA has {len(st['shadow_params'])} tensors but {type(module).__name__} has {len(params)} parameters: a checkpoint of another model.")
-        for i, ((name, p), s) in enumerate(zip(module.named_parameters(), st['shadow_params'])):
+        if len(shadow) != len(params):
+            raise ValueError(f"{ckpt}: the EMA has {len(shadow)} tensors but {type(module).__name__} has {len(params)} parameters: a checkpoint of another model.")
+        for i, ((name, p), s) in enumerate(zip(module.named_parameters(), shadow)):
             if p.shape != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
         with torch.no_grad():
-            for p, s in zip(params, st['shadow_params']): p.copy_(s.to(p.dtype))
+            for p, s in zip(params, shadow): p.copy_(s.to(p.dtype))
         return module
     f = ckpt/'model.safetensors'
     if not f.exists(): raise FileNotFoundError(f"{f} not found: {ckpt} is not a checkpoint written by the training loop.")

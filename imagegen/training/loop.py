@@ -18,10 +18,12 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
 from diffusers.optimization import get_scheduler, SchedulerType
 from diffusers.training_utils import EMAModel
-from ..config import Config, ConfigError, Flag
+from ..config import Config, ConfigError, Flag, UserError
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
-                                          latest_checkpoint, list_checkpoints, save_checkpoint, write_atomic)
+                                          CheckpointError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, ema_tensors,
+                                          latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
+                                          write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
 
 # %% auto #0
@@ -91,6 +93,15 @@ class TrainConfig(Config):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
         for f in ('max_steps', 'epochs', 'checkpoint_every', 'checkpoints_total_limit', 'sample_every'):
             if getattr(self, f) is not None and getattr(self, f) < 1: bad(f, "must be >= 1 or None.")
+        fin = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
+        for f in ('lr', 'adam_eps', 'ema_power'):
+            if not (fin(getattr(self, f)) and getattr(self, f) > 0): bad(f, "must be a positive, finite number.")
+        for f in ('weight_decay', 'warmup_steps', 'ema_update_after_step', 'nan_max_consecutive', 'nan_max_total'):
+            if not (fin(getattr(self, f)) and getattr(self, f) >= 0): bad(f, "must be >= 0.")
+        if not (fin(self.ema_decay) and 0 <= self.ema_decay <= 1): bad('ema_decay', "must be in [0, 1] (e.g. 0.999).")
+        if not all(fin(b) and 0 <= b < 1 for b in self.adam_betas): bad('adam_betas', "each must be in [0, 1) (e.g. 0.9,0.999).")
+        if self.max_grad_norm is not None and not (fin(self.max_grad_norm) and self.max_grad_norm > 0): bad('max_grad_norm', "must be > 0, or None for no clipping.")
+        if not str(self.output_dir).strip(): bad('output_dir', "must name a folder.")
 
 # %% ../../nbs/02c_loop.ipynb #5b824f77
 TRAIN_FLAGS = [
@@ -222,13 +233,12 @@ def _setup(self:Trainer, dataloader):
     else: self.model, self.opt, self.dl = acc.prepare(model, opt, dataloader)
     self.max_steps = cfg.max_steps or self._steps_from_epochs()
     # not prepared: stepped once per update, so its state does not depend on the number of processes
+    # neither is registered with accelerate (which would pickle them): their state goes to trainer_state.json / ema.safetensors
     self.sched = get_scheduler(cfg.lr_scheduler, self.opt.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.max_steps)
-    acc.register_for_checkpointing(self.sched)
     if cfg.ema:
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
                             use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power)
         self.ema.to(acc.device)
-        acc.register_for_checkpointing(self.ema)
     if hasattr(self.task, 'setup'): self.task.setup(acc, self.model)
 
 @patch
@@ -242,25 +252,73 @@ def _steps_from_epochs(self:Trainer) -> int:
 def _trainer_state(self:Trainer) -> dict:
     return {'step': self.step, 'epoch': self.epoch, 'global_batches_in_epoch': self.batch_in_epoch * self.acc.num_processes,
             'num_processes': self.acc.num_processes, 'bad_steps_total': self.bad_total, 'run_name': self.run_name,
-            'epoch_sums': self.epoch_sums, 'epoch_metrics': self.epoch_metrics, 'max_steps': self.max_steps}
+            'epoch_sums': self.epoch_sums, 'epoch_metrics': self.epoch_metrics, 'max_steps': self.max_steps,
+            'lr_scheduler': self.sched.state_dict(),
+            'ema': {k: v for k, v in self.ema.state_dict().items() if k != 'shadow_params'} if self.ema else None}
+
+@patch
+def _pick_checkpoint(self:Trainer) -> Path|None:
+    "The checkpoint to resume from, chosen on the main process (damaged ones named and skipped) and the same on every rank."
+    from accelerate.utils import broadcast_object_list
+    r, err, ckpt = self.cfg.resume, None, None
+    if self.acc.is_main_process:
+        try:
+            if r == 'latest': ckpt = usable_checkpoint(self.ckpt_dir)
+            else: check_checkpoint(r); ckpt = Path(r)
+        except CheckpointError as e: err = str(e)
+    ckpt, err = broadcast_object_list([ckpt, err])
+    if err: raise CheckpointError(err)
+    return ckpt
 
 @patch
 def _resume(self:Trainer) -> Path|None:
-    r = self.cfg.resume
-    if r is None: return None
-    ckpt = latest_checkpoint(self.ckpt_dir) if r == 'latest' else Path(r)
+    if self.cfg.resume is None: return None
+    ckpt = self._pick_checkpoint()
     if ckpt is None: return None
-    if not (ckpt/'trainer_state.json').exists():
-        raise ConfigError(f"TrainConfig.resume={r!r}: {ckpt} is not a complete checkpoint (no trainer_state.json).")
-    self.acc.load_state(str(ckpt))
+    try: self.acc.load_state(str(ckpt))   # model (safetensors), optimizer and random states (weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{ckpt} does not load into this run ({type(e).__name__}: {str(e)[:300]}): a checkpoint of another "
+                              "model or optimizer setup, or a damaged file. Resume from a matching checkpoint or use a new output_dir.") from e
     st = json.loads((ckpt/'trainer_state.json').read_text())
+    self.sched.load_state_dict(st['lr_scheduler'])
+    if self.ema:
+        shadow = ema_tensors(ckpt)
+        if shadow is None: warnings.warn(f"{ckpt} has no EMA (the run trained without it): the EMA starts from the current weights.")
+        else: self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow}); self.ema.to(self.acc.device)
     self.step, self.epoch, self.bad_total = st['step'], st['epoch'], st['bad_steps_total']
     self.epoch_sums, self.epoch_metrics = st['epoch_sums'], st['epoch_metrics']
     self.run_name = self.cfg.run_name or st['run_name']
     gb, n = st['global_batches_in_epoch'], self.acc.num_processes
     if gb % n: warnings.warn(f"{ckpt}: {gb} batches of this epoch were done by {st['num_processes']} ranks; with {n} ranks {gb % n} are repeated.")
     self.batch_in_epoch = gb // n
+    self._apply_changes(ckpt, st)
     return ckpt
+
+@patch
+def _apply_changes(self:Trainer, ckpt:Path, st:dict):
+    "Compare the run's settings with the checkpoint's; apply each change explicitly (and say so) or refuse it."
+    if self.step > self.max_steps:
+        raise ConfigError(f"max_steps={self.max_steps} but {ckpt} is at step {self.step}: nothing to train. Raise max_steps, or "
+                          "start a new output_dir to train a shorter run.")
+    info = ckpt/'run_info.json'
+    old = json.loads(info.read_text()).get('config', {}) if info.exists() else {}
+    new = json.loads(json.dumps(run_info(self.cfg, None, self.sections)['config'], default=str))   # as the checkpoint stored it
+    skip = {'resume', 'run_name', 'output_dir'}
+    changes = [(f"{sec}.{k}", ov, new[sec].get(k)) for sec in new if sec in old and isinstance(old[sec], dict) and isinstance(new[sec], dict)
+               for k, ov in old[sec].items() if k not in skip and k in new[sec] and new[sec].get(k) != ov]
+    notes = []
+    for key, ov, nv in changes:
+        if key == 'train.lr' and ov:   # the restored scheduler would keep the old base rate: rescale every group
+            ratio = nv / ov
+            self.sched.base_lrs = [b * ratio for b in self.sched.base_lrs]
+            for g, lr in zip(self.opt.optimizer.param_groups, self.sched.get_last_lr()): g['lr'] = lr * ratio
+            self.sched._last_lr = [g['lr'] for g in self.opt.optimizer.param_groups]
+            notes.append(f"{key}: {ov} -> {nv} (applied: every parameter group scaled by {ratio:g})")
+        elif key == 'train.max_steps': notes.append(f"{key}: {ov} -> {nv} (applied: the schedule now ends at step {nv})")
+        else: notes.append(f"{key}: {ov!r} -> {nv!r} (applied from step {self.step})")
+    if notes and self.acc.is_main_process:
+        print(f"resuming with settings changed since {ckpt.name}:\n  " + '\n  '.join(notes), file=sys.stderr, flush=True)
+    self.changes = notes
 
 # %% ../../nbs/02c_loop.ipynb #0312c355
 @patch
@@ -371,7 +429,8 @@ class NonFiniteLossError(RuntimeError):
 @patch
 def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dict:
     cfg, acc = self.cfg, self.acc
-    gn = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm) if cfg.max_grad_norm else None
+    # the norm is computed even without clipping (max_norm=inf scales by 1): a non-finite gradient is never applied
+    gn = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float('inf'))
     gn = torch.zeros((), device=acc.device) if gn is None else gn.detach().float()
     bad = sums[-1] > 0
     if acc.mixed_precision != 'fp16': bad = bad | ~torch.isfinite(gn)
@@ -421,8 +480,9 @@ def _run_epoch(self:Trainer, bar):
     if not self.batch_in_epoch: it = self.dl
     elif isinstance(self.dl, torch.utils.data.DataLoader): it = acc.skip_first_batches(self.dl, self.batch_in_epoch)
     else: it = itertools.islice(self.dl, self.batch_in_epoch, None)   # a task's own stream
-    sums, n_micro, keys = None, 0, None
+    sums, n_micro, keys, seen = None, 0, None, 0
     for batch in it:
+        seen += 1
         if self.self_sharded: batch = send_to_device(batch, acc.device)
         seed_all(derived_seed(cfg.seed, self.step, n_micro, acc.process_index))
         with acc.accumulate(self.model):
@@ -438,6 +498,10 @@ def _run_epoch(self:Trainer, bar):
                 sums, n_micro = None, 0
                 self._after_update(logs, bar)
         if acc.sync_gradients and (self.step >= self.max_steps or self._stop_signal): return
+    if not seen and not self.batch_in_epoch:   # an empty pass would loop forever without a step
+        raise ConfigError(f"the data gave no batch in epoch {self.epoch}: fewer samples than one batch per rank "
+                          f"(batch_size={cfg.batch_size}, {acc.num_processes} rank(s), incomplete batches dropped). "
+                          "Use a smaller batch size or more data.")
     self._end_epoch()
 
 # %% ../../nbs/02c_loop.ipynb #1ce09c57
@@ -471,7 +535,14 @@ def _after_update(self:Trainer, logs:dict, bar):
 
 @patch
 def _checkpoint(self:Trainer) -> Path:
-    self.last_ckpt = save_checkpoint(self.acc, self.ckpt_dir, self.step, self._trainer_state(), self.info, self.cfg.checkpoints_total_limit)
+    model = self.acc.unwrap_model(self.model)
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:   # never write a checkpoint that a resume (or `latest`) would take for a good one
+        raise NonFiniteLossError(f"step {self.step}: parameter {bad} is not finite; no checkpoint written. The last good "
+                                 f"checkpoint is {latest_checkpoint(self.ckpt_dir)}.")
+    tensors = {EMA_FILE: {str(i): t for i, t in enumerate(self.ema.shadow_params)}} if self.ema else None
+    self.last_ckpt = save_checkpoint(self.acc, self.ckpt_dir, self.step, self._trainer_state(), self.info, self.cfg.checkpoints_total_limit,
+                                     tensors=tensors)
     return self.last_ckpt
 
 # %% ../../nbs/02c_loop.ipynb #5b178bf0
@@ -532,6 +603,40 @@ def _save_initial_model(self:Trainer) -> Path|None:
 def fit(self:Trainer) -> dict:
     "Train until `max_steps`; returns a summary. Raises `Preempted` (exit code 75) after a stop signal, `NonFiniteLossError` after too many bad steps."
     acc, cfg = self.acc, self.cfg
+    self._lock()   # before anything in output_dir is touched: no other live run writes there
+    try: return self._fit()
+    finally:
+        if self.lock is not None: release_run_lock(self.lock)
+
+@patch
+def _lock(self:Trainer):
+    "Take the run folder's lock on the main process and probe the disk; every rank stops with the reason when either fails."
+    from accelerate.utils import broadcast_object_list
+    self.lock, err = None, None
+    if self.acc.is_main_process:
+        try:
+            self.lock = acquire_run_lock(self.out)
+            err = self._disk_problem()
+        except RunLocked as e: err = ('RunLocked', str(e))
+        except OSError as e: err = ('UserError', f"cannot write in output_dir {self.out} ({e.strerror or e}): choose a writable folder.")
+    if self.acc.num_processes > 1: err = broadcast_object_list([err])[0]
+    if err:
+        if self.lock is not None: release_run_lock(self.lock)
+        raise (RunLocked if err[0] == 'RunLocked' else UserError)(err[1])
+
+@patch
+def _disk_problem(self:Trainer) -> tuple|None:
+    "Not enough free space for two checkpoints (a new one is complete before the oldest is deleted): the reason, else None."
+    params = [p for p in self.acc.unwrap_model(self.model).parameters() if p.requires_grad]
+    need = sum(p.numel() * 4 for p in params) * (3 + bool(self.ema))   # weights + two AdamW moments (+ EMA), float32
+    free = shutil.disk_usage(self.out).free
+    if free >= 2 * need: return None
+    return ('UserError', f"{self.out} has {free / 2**30:.2f} GiB free, but each checkpoint needs about {need / 2**30:.2f} GiB and two "
+                         "exist while a new one is written: free space or choose another output_dir.")
+
+@patch
+def _fit(self:Trainer) -> dict:
+    acc, cfg = self.acc, self.cfg
     if acc.is_main_process: clean_partial_checkpoints(self.ckpt_dir)
     acc.wait_for_everyone()
     resumed = self._resume()
@@ -550,7 +655,11 @@ def fit(self:Trainer) -> dict:
             if acc.is_main_process: print(f"\n{e}; exiting with code {EXIT_PREEMPTED} (resume with resume='latest')", file=sys.stderr, flush=True)
             raise e
         if self.last_ckpt is None or not self.last_ckpt.name.endswith(f"{self.step:08d}"): self._checkpoint()
-        model_dir = self.save_model() if cfg.save_model else None
+        done = self.out/'model'/'run_info.json'
+        if resumed is not None and self.history == [] and done.exists() and json.loads(done.read_text()).get('step') == self.step:
+            if acc.is_main_process: print(f"{self.out} was already trained to step {self.step}; its model/ is kept as it is.", file=sys.stderr, flush=True)
+            model_dir = self.out/'model'
+        else: model_dir = self.save_model() if cfg.save_model else None
     finally:
         bar.close(); self._restore_signals()
         if cfg.tracker != 'none': acc.end_training()

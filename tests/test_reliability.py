@@ -1,0 +1,174 @@
+"Faults a long run meets (planted or damaged checkpoints, empty data, NaN gradients, changed settings): each is refused early with a clear message, or survived."
+import json, os, pickle, warnings
+from pathlib import Path
+
+import numpy as np, pytest, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from imagegen.config import ConfigError
+from imagegen.training.checkpoints import CheckpointError, Preempted, latest_checkpoint
+from imagegen.training.loop import NonFiniteLossError, Trainer, train
+from test_training import Regression, _stop_with_signal_at, cfg, data
+
+
+class Payload:
+    "What an attacker plants in a checkpoint: unpickling it creates `marker`."
+    def __init__(self, marker): self.marker = str(marker)
+    def __reduce__(self): return (Path.touch, (Path(self.marker),))
+
+
+def finished_run(tmp_path, **kw):
+    c = cfg(tmp_path/'run', checkpoint_every=2, max_steps=4, **kw)
+    train(Regression(), data(), c)
+    return c, tmp_path/'run'/'checkpoints'
+
+
+@pytest.mark.parametrize('planted', ['custom_checkpoint_0.pkl', 'random_states_0.pkl', 'optimizer.bin'])
+def test_code_planted_in_a_checkpoint_never_runs(tmp_path, planted):
+    c, ck = finished_run(tmp_path, ema=True)
+    marker = tmp_path/'PWNED'
+    for step in ('step_00000002', 'step_00000004'):
+        (ck/step/planted).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=f"none is usable.*{planted}"), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        train(Regression(), data(), c.override(max_steps=6))
+    assert not marker.exists()
+
+
+def test_damaged_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path):
+    c, ck = finished_run(tmp_path)
+    f = ck/'step_00000004'/'model.safetensors'
+    f.write_bytes(f.read_bytes()[:100])      # truncated by a full disk or a killed copy
+    with pytest.warns(UserWarning, match=r"step_00000004/model.safetensors cannot be read safely"):
+        res = train(Regression(), data(), c.override(max_steps=6))
+    assert res['resumed_from'].endswith('step_00000002') and res['step'] == 6
+    (ck/'step_00000006'/'trainer_state.json').write_text('{"step": 6, "epo')
+    with pytest.warns(UserWarning, match='trainer_state.json is damaged'):
+        assert train(Regression(), data(), c.override(max_steps=8))['resumed_from'].endswith('step_00000004')
+
+
+def test_latest_pointing_at_nothing_refuses_to_restart_from_zero(tmp_path):
+    c = cfg(tmp_path/'run', checkpoint_every=2, max_steps=2)
+    train(Regression(), data(), c)
+    import shutil
+    shutil.rmtree(tmp_path/'run'/'checkpoints'/'step_00000002')
+    with pytest.raises(CheckpointError, match='none is usable'), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        train(Regression(), data(), c.override(max_steps=4))
+
+
+def test_dataset_smaller_than_a_batch_is_an_error_not_a_hang(tmp_path):
+    x = torch.randn(3, 8)
+    dl = DataLoader(TensorDataset(x, x), batch_size=4, drop_last=True)
+    with pytest.raises(ConfigError, match='fewer samples than one batch'):
+        train(Regression(), dl, cfg(tmp_path, max_steps=5))
+
+
+class NaNGrad(Regression):
+    "Finite loss, NaN gradient (d sqrt(x)/dx at 0 times 0) from step `at` on."
+    def __init__(self, at): super().__init__(); self.at, self.calls = at, 0
+    def loss(self, model, batch):
+        out = super().loss(model, batch)
+        self.calls += 1
+        if self.calls > self.at: out['loss'] = out['loss'] + 0 * torch.sqrt(0 * model[0].weight.sum())
+        return out
+
+
+def test_nan_gradient_without_clipping_never_reaches_the_weights(tmp_path):
+    task = NaNGrad(at=3)
+    with pytest.raises(NonFiniteLossError, match='nan_max_consecutive=2'), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        train(task, data(), cfg(tmp_path, max_grad_norm=None, nan_max_consecutive=2, checkpoint_every=1))
+    assert all(torch.isfinite(p).all() for p in task.trainable.parameters())
+    last = latest_checkpoint(tmp_path/'checkpoints')
+    from safetensors.torch import load_file
+    assert last is not None and all(torch.isfinite(t).all() for t in load_file(str(last/'model.safetensors')).values())
+
+
+def test_resume_applies_a_changed_learning_rate_and_says_so(tmp_path, capfd):
+    c = cfg(tmp_path/'run', max_steps=12, lr=1e-2, lr_scheduler='constant', warmup_steps=0)
+    task = Regression(); task.hook = _stop_with_signal_at(5)
+    task.trainer = Trainer(task, data(), c)
+    with pytest.raises(Preempted): task.trainer.fit()
+    capfd.readouterr()
+    t = Trainer(Regression(), data(), c.override(lr=2e-2))
+    t._start_logging(); t._resume()
+    assert t.sched.get_last_lr() == pytest.approx([2e-2] * len(t.sched.get_last_lr()))
+    assert all(g['lr'] == pytest.approx(2e-2) for g in t.opt.optimizer.param_groups)
+    assert 'train.lr: 0.01 -> 0.02 (applied' in capfd.readouterr().err
+
+
+def test_max_steps_below_the_checkpoint_is_refused_and_a_finished_run_is_kept(tmp_path, capfd):
+    c, ck = finished_run(tmp_path)
+    with pytest.raises(ConfigError, match='max_steps=2 but .* is at step 4'):
+        train(Regression(), data(), c.override(max_steps=2))
+    model = tmp_path/'run'/'model'/'model.safetensors'
+    before = model.stat().st_mtime_ns
+    res = train(Regression(), data(), c)          # the same command again (a requeue after the end)
+    assert res['step'] == 4 and model.stat().st_mtime_ns == before
+    assert 'already trained to step 4' in capfd.readouterr().err
+
+
+SLOW_RUN = '''
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_training import Regression, data, cfg
+from imagegen.training.loop import train
+t = Regression(); t.hook = lambda _: time.sleep(0.05)
+train(t, data(), cfg({out!r}, max_steps=60, checkpoint_every=5))
+'''
+
+
+def test_two_runs_on_one_folder_the_second_is_refused(tmp_path):
+    import subprocess, sys, time
+    out = tmp_path/'run'
+    child = subprocess.Popen([sys.executable, '-c', SLOW_RUN.format(tests=str(Path(__file__).parent), out=str(out))],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            if (out/'checkpoints'/'latest').exists(): break
+            time.sleep(0.1)
+        assert child.poll() is None, 'the first run ended before the test could overlap it'
+        from imagegen.training.checkpoints import RunLocked
+        with pytest.raises(RunLocked, match=f"pid {child.pid}"):
+            train(Regression(), data(), cfg(out, max_steps=60, checkpoint_every=5))
+        assert child.wait(timeout=300) == 0                    # the first run was not disturbed
+    finally:
+        if child.poll() is None: child.kill()
+    assert json.loads((out/'checkpoints'/'step_00000060'/'trainer_state.json').read_text())['step'] == 60
+    assert not (out/'.lock').exists()
+    res = train(Regression(), data(), cfg(out, max_steps=60, checkpoint_every=5))   # free again once it ended
+    assert res['step'] == 60
+
+
+@pytest.mark.parametrize('args, expect', [
+    (['--learning_rate', '-1'], 'TrainConfig.lr=-1.0: must be a positive, finite number'),
+    (['--learning_rate', 'nan'], 'TrainConfig.lr=nan'),
+    (['--lr_warmup_steps', '-10'], 'TrainConfig.warmup_steps=-10: must be >= 0'),
+    (['--ema_decay', '2.0'], 'TrainConfig.ema_decay=2.0: must be in [0, 1]'),
+    (['--max_grad_norm', '-1'], 'TrainConfig.max_grad_norm=-1.0'),
+    (['--resolution', '0'], 'LDMConfig.resolution=0: must be a positive multiple of 8'),
+    (['--max_step', '3'], 'unrecognized arguments: --max_step'),           # a typo is not a prefix of --max_steps
+    (['--output_dir', ''], 'TrainConfig.output_dir=\'\': must name a folder'),
+    (['--train_data_dir', './no/such/folder'], 'dataset ./no/such/folder does not exist (a local path, not a Hub id'),
+])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, args, expect):
+    import subprocess, sys
+    from conftest import ROOT
+    p = subprocess.run([sys.executable, 'scripts/train_ldm.py', '--output_dir', str(tmp_path/'out'), '--report_to', 'none', *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'HF_HUB_OFFLINE': '1'})
+    assert p.returncode == 2 and expect in p.stderr, p.stderr[-3000:]
+    assert 'Traceback' not in p.stderr
+
+
+def test_unwritable_or_full_output_dir_is_refused_before_training(tmp_path, monkeypatch):
+    from imagegen.config import UserError
+    (tmp_path/'a_file').write_text('x')
+    with pytest.raises(UserError, match='cannot write in output_dir'):
+        train(Regression(), data(), cfg(tmp_path/'a_file'/'run'))
+    import shutil
+    monkeypatch.setattr(shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(UserError, match='GiB free'):
+        train(Regression(), data(), cfg(tmp_path/'run'))
+    assert not (tmp_path/'run'/'.lock').exists() and not (tmp_path/'run'/'checkpoints').exists()
