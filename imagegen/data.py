@@ -102,8 +102,8 @@ class BadDataError(UserError, RuntimeError):
 
 class BadSampleLog:
     "Counts good, skipped and converted samples; raises `BadDataError` when the bad share passes `max_bad_frac`."
-    def __init__(self, source:str='', max_bad_frac:float=0.05, min_seen:int=20):
-        self.source, self.max_bad_frac, self.min_seen = source, max_bad_frac, min_seen
+    def __init__(self, source:str='', max_bad_frac:float=0.05, min_seen:int=20, total:int|None=None):
+        self.source, self.max_bad_frac, self.min_seen, self.total = source, max_bad_frac, min_seen, total
         self.seen, self.skipped, self.converted = 0, [], []
     def good(self, name:str='', note:str|None=None):
         self.seen += 1
@@ -117,10 +117,14 @@ class BadSampleLog:
     def bad_frac(self) -> float: return len(self.skipped) / max(self.seen, 1)
     def check(self, final:bool=False):
         "Raise `BadDataError` if the bad share is too high (after `min_seen` samples, or at the end of the data if `final`)."
-        if (final or self.seen >= self.min_seen) and self.bad_frac > self.max_bad_frac:
+        # with a known size (a folder, a Hub dataset) the budget is a count of the whole: over it as soon as the bad ones alone exceed it
+        over = (len(self.skipped) > self.max_bad_frac * self.total if self.total
+                else (final or self.seen >= self.min_seen) and self.bad_frac > self.max_bad_frac)
+        if over:
             shown = '\n'.join(f"  {n}: {r}" for n, r in self.skipped[:10])
-            raise BadDataError(f"{len(self.skipped)} of {self.seen} samples of {self.source or 'the data'} are bad "
-                               f"({self.bad_frac:.0%} > max_bad_frac={self.max_bad_frac:.0%}). First ones:\n{shown}\n"
+            of = self.total or self.seen
+            raise BadDataError(f"{len(self.skipped)} of {of} samples of {self.source or 'the data'} are bad "
+                               f"({len(self.skipped) / of:.0%} > max_bad_frac={self.max_bad_frac:.0%}). First ones:\n{shown}\n"
                                "Fix or remove these files, or raise max_bad_frac if this is expected.")
     def summary(self) -> dict:
         return {'source': self.source, 'seen': self.seen, 'skipped': len(self.skipped), 'converted': len(self.converted),
@@ -135,7 +139,10 @@ def caption_list(value) -> list[str]:
     if value is None: return []
     if isinstance(value, dict): return next((caption_list(value[k]) for k in CAPTION_KEYS if caption_list(value.get(k))), [])
     if isinstance(value, (bytes, bytearray)): value = value.decode('utf-8', errors='replace')
-    if isinstance(value, str): return [value.strip()] if value.strip() else []
+    if isinstance(value, str):
+        # a lone surrogate (from a JSON escape such as "\ud800") cannot be encoded and would crash the tokenizer: replace it
+        value = value.encode('utf-8', errors='replace').decode('utf-8').replace('\x00', '').strip()
+        return [value] if value else []
     if isinstance(value, (list, tuple)): return [c for v in value for c in caption_list(v) if isinstance(v, (str, bytes))]
     return []
 
@@ -175,12 +182,14 @@ class ImageFolderSource(Dataset):
             if not (self.root/name).is_file(): self.log.bad(name, "file not found", check=False); continue
             self.items.append((name, caps, rec.get('scene')))
         if not self.items: raise BadDataError(f"No usable samples in {self.root}: {self.log.summary()['skipped_files'][:5]}")
+        listed = {n for n, _, _ in self.items} | {n for n, _ in self.log.skipped}
+        self.unlisted = sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob('*')
+                               if p.suffix.lower() in IMAGE_EXTS and p.relative_to(self.root).as_posix() not in listed)
+        if self.unlisted: log.warning(f"{len(self.unlisted)} image(s) in {self.root} have no row in metadata.jsonl and are not used: {self.unlisted[:5]}")
         self._check_meta()
     def _check_meta(self):
-        n_bad = len(self.log.skipped)
-        if n_bad / (n_bad + len(self.items)) > self.log.max_bad_frac:
-            self.log.seen = n_bad + len(self.items)
-            self.log.check()
+        self.log.total = len(self.log.skipped) + len(self.items)   # every row of metadata.jsonl: the budget's whole
+        self.log.check()
     def __len__(self): return len(self.items)
     def load(self, i:int) -> dict:
         "Sample `i`; raises `BadImage` if its image is bad."
@@ -346,11 +355,11 @@ class ShardSource(IterableDataset):
         self.urls, self.transform, self.resampled, self.epoch_size = expand_urls(urls), transform, resampled, epoch_size
         self.shuffle_buffer, self.seed, self.min_side, self.max_pixels = shuffle_buffer, seed, min_side, max_pixels
         self.rank, self.world_size = dist_info(rank, world_size)
-        self.epoch, self.batch_size, self.num_workers = 0, 1, 0
+        self.epoch, self.batch_size, self.num_workers, self.broken = 0, 1, 0, set()
         self.log = BadSampleLog(f"shards {self.urls[0]}{' ...' if len(self.urls) > 1 else ''}", max_bad_frac)
         if resampled and epoch_size is None:
             raise ValueError("A resampled shard stream is infinite: give epoch_size (samples per epoch over all ranks).")
-    def set_epoch(self, epoch:int): self.epoch = int(epoch)
+    def set_epoch(self, epoch:int): self.epoch, self.broken = int(epoch), set()
     def configure(self, batch_size:int, num_workers:int):
         "Tell the stream the DataLoader's batch size and workers (done by `make_dataloader`), so epochs are whole batches."
         self.batch_size, self.num_workers = batch_size, num_workers
@@ -374,9 +383,14 @@ def _reader(self:ShardSource) -> tuple[int, int]:
 @patch
 def _raw(self:ShardSource, reader:int, readers:int, rng:np.random.Generator):
     "Raw `(key, parts)` samples of this reader."
-    if self.resampled:
+    if self.resampled:   # a shard found broken is counted once and not drawn again in this pass
         while True:
-            yield from tar_samples(self.urls[int(rng.integers(len(self.urls)))], self.log)
+            live = [u for u in self.urls if u not in self.broken]
+            if not live: raise BadDataError(f"every shard of {self.log.source} is truncated or corrupt: {sorted(self.broken)[:3]}")
+            u = live[int(rng.integers(len(live)))]
+            n_bad = len(self.log.skipped)
+            yield from tar_samples(u, self.log)
+            if len(self.log.skipped) > n_bad and self.log.skipped[-1][0] == u: self.broken.add(u)
     order = [self.urls[i] for i in np.random.default_rng([self.seed, self.epoch]).permutation(len(self.urls))]
     if len(order) >= readers:
         for u in order[reader::readers]: yield from tar_samples(u, self.log)
@@ -432,7 +446,7 @@ class HFSource(Dataset):
         if isinstance(ds.features[self.image_column], datasets.Image):
             ds = ds.cast_column(self.image_column, datasets.Image(decode=False))
         self.ds, self.transform, self.min_side, self.max_pixels, self.max_retries = ds, transform, min_side, max_pixels, max_retries
-        self.log, self._bad = BadSampleLog(name or 'hf dataset', max_bad_frac), set()
+        self.log, self._bad = BadSampleLog(name or 'hf dataset', max_bad_frac, total=len(ds)), set()
     def __len__(self): return len(self.ds)
     def _load(self, i:int) -> dict:
         row = self.ds[i]

@@ -172,3 +172,64 @@ def test_unwritable_or_full_output_dir_is_refused_before_training(tmp_path, monk
     with pytest.raises(UserError, match='GiB free'):
         train(Regression(), data(), cfg(tmp_path/'run'))
     assert not (tmp_path/'run'/'.lock').exists() and not (tmp_path/'run'/'checkpoints').exists()
+
+
+def shapes_folder(root, n=20):
+    from imagegen.data import write_imagefolder
+    from imagegen.shapes import ShapesDataset
+    return write_imagefolder(ShapesDataset('train', n=n), root)
+
+
+def train_script(name, *args, check=True):
+    import subprocess, sys
+    from conftest import ROOT
+    p = subprocess.run([sys.executable, f'scripts/{name}', '--report_to', 'none', '--train_batch_size', '4', *map(str, args)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, 'HF_HUB_OFFLINE': '1'})
+    if check: assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def test_caption_with_a_lone_surrogate_trains(tmp_path):
+    root = shapes_folder(tmp_path/'data', n=16)
+    lines = (root/'metadata.jsonl').read_text().splitlines()
+    rec = json.loads(lines[0]); rec['text'] = 'a red \ud800 circle'; rec['captions'] = [rec['text']]
+    lines[0] = json.dumps(rec)                                   # written as the escape "\ud800"
+    (root/'metadata.jsonl').write_text('\n'.join(lines) + '\n')
+    train_script('train_ldm.py', '--train_data_dir', root, '--max_train_steps', 2, '--output_dir', tmp_path/'run',
+                 '--block_out_channels', '32,32', '--text_hidden', '32')
+
+
+def test_a_few_bad_images_need_the_budget_flag(tmp_path):
+    root = shapes_folder(tmp_path/'data', n=20)
+    for name in ('000003.png', '000011.png'): (root/name).write_bytes(b'not a png at all')   # 10 % bad
+    p = train_script('train_vae.py', '--train_data_dir', root, '--max_train_steps', 6, '--output_dir', tmp_path/'a', check=False)
+    assert p.returncode == 2 and 'max_bad_frac' in p.stderr and '000003.png' in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    train_script('train_vae.py', '--train_data_dir', root, '--max_train_steps', 6, '--output_dir', tmp_path/'b', '--max_bad_frac', 0.2)
+
+
+def test_truncated_shard_in_a_resampled_stream_counts_once_per_pass(tmp_path):
+    from imagegen.data import ImageTransform, ShardSource, write_shards
+    from imagegen.shapes import ShapesDataset
+    paths = write_shards(ShapesDataset('train', n=64), tmp_path, samples_per_shard=16)
+    paths[1].write_bytes(paths[1].read_bytes()[:3000])           # cut short
+    src = ShardSource([str(p) for p in paths], ImageTransform(32), resampled=True, epoch_size=200, shuffle_buffer=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        n = sum(1 for _ in src)
+    assert n == 200 and len(src.log.skipped) == 1 and src.log.skipped[0][0] == str(paths[1]), src.log
+    src.set_epoch(1)
+    assert sum(1 for _ in src) == 200 and len(src.log.skipped) == 2   # once again in the next pass, no more
+    # the same through a script, with --epoch_size
+    from imagegen.data import shard_pattern
+    train_script('train_vae.py', '--train_data_dir', shard_pattern(paths), '--epoch_size', 32, '--max_train_steps', 4,
+                 '--output_dir', tmp_path/'run', '--max_bad_frac', 0.5)
+
+
+def test_images_without_a_metadata_row_are_reported(tmp_path, caplog):
+    from imagegen.data import ImageFolderSource, ImageTransform
+    from PIL import Image
+    root = shapes_folder(tmp_path/'data', n=4)
+    Image.new('RGB', (32, 32)).save(root/'stray.png')
+    with caplog.at_level('WARNING', logger='imagegen.data'):
+        src = ImageFolderSource(root, ImageTransform(32))
+    assert src.unlisted == ['stray.png'] and 'stray.png' in caplog.text and len(src) == 4
