@@ -27,11 +27,18 @@ EOF
 
 # Make the job's log files readable by the user alone (they are about to hold a secret) and keep new files private.
 private_log() {
+  # Make this job's log readable by its owner alone. The files are found through the batch script's own stdout and
+  # stderr (/proc/$$/fd/1 and 2), so paths with spaces work and scontrol is not needed. Fails closed: returns 1 when a
+  # log cannot be made private, and the caller must then not print secrets into it.
   umask 077
-  local f
-  for f in $(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oE '(StdOut|StdErr)=[^ ]+' | cut -d= -f2- | sort -u); do
-    [ -f "$f" ] && chmod 600 "$f"
+  local fd f ok=0
+  for fd in 1 2; do
+    f=$(readlink "/proc/$$/fd/$fd" 2>/dev/null) || { ok=1; continue; }
+    [ "$f" = /dev/null ] && continue
+    if [ -f "$f" ]; then chmod 600 "$f" 2>/dev/null || ok=1; [ "$(stat -c %a "$f" 2>/dev/null)" = 600 ] || ok=1
+    elif [[ "$f" != pipe:* && "$f" != socket:* && ! -c "$f" ]]; then ok=1; fi   # a pipe or terminal is no file others read
   done
+  return $ok
 }
 
 # print_tunnel PORT URL_PATH: the ssh command to run on your own machine, then the URL to open.
