@@ -199,11 +199,12 @@ class ImageFolderSource(Dataset):
         self.log.good(name, note)
         return {'pixel_values': x, 'captions': caps, 'scene': scene, 'key': name}
     def __getitem__(self, i:int) -> dict:
+        first_bad = 0
         for k in range(self.max_retries):
             j = (i + k) % len(self.items)
-            if j in self._bad: continue                   # known bad: already counted in this process
-            try: return self.load(j)
-            except BadImage as e: self._bad.add(j); self.log.bad(self.items[j][0], str(e))
+            if j in self._bad: first_bad |= k == 0; continue   # known bad: already logged in this process
+            try: return {**self.load(j), 'skipped': int(first_bad)}
+            except BadImage as e: self._bad.add(j); self.log.bad(self.items[j][0], str(e)); first_bad |= k == 0
         raise BadDataError(f"{self.max_retries} bad or already skipped images in a row in {self.root} from item {i}: {self.log.skipped[-3:]}")
 
 # %% ../nbs/01a_data.ipynb #d00166ea
@@ -406,10 +407,13 @@ def _stream(self:ShardSource):
     raw = self._raw(reader, readers, rng)
     if self.shuffle_buffer > 1: raw = _shuffled(raw, self.shuffle_buffer, rng)
     def samples():
+        n_bad = len(self.log.skipped)
         for key, parts in raw:
             s, reason, note = decode_sample(key, parts, self.transform, self.min_side, self.max_pixels)
             if s is None: self.log.bad(key, reason); continue
             self.log.good(key, note)
+            # bad samples and broken shards met since the last good one travel with it to the training loop
+            s['skipped'], n_bad = len(self.log.skipped) - n_bad, len(self.log.skipped)
             yield s
         self.log.check(final=True)                        # end of this reader's data: judge the whole of it
     n = self.per_reader()
@@ -464,11 +468,12 @@ class HFSource(Dataset):
         self.log.good(name, note)
         return {'pixel_values': x, 'captions': caps, 'scene': scene, 'key': str(name)}
     def __getitem__(self, i:int) -> dict:
+        first_bad = 0
         for k in range(self.max_retries):
             j = (i + k) % len(self.ds)
-            if j in self._bad: continue
-            try: return self._load(j)
-            except BadImage as e: self._bad.add(j); self.log.bad(f"{self.log.source}[{j}]", str(e))
+            if j in self._bad: first_bad |= k == 0; continue
+            try: return {**self._load(j), 'skipped': int(first_bad)}
+            except BadImage as e: self._bad.add(j); self.log.bad(f"{self.log.source}[{j}]", str(e)); first_bad |= k == 0
         raise BadDataError(f"{self.max_retries} bad samples in a row in {self.log.source} from item {i}.")
 
 # %% ../nbs/01a_data.ipynb #a7a7c9c9
@@ -533,7 +538,9 @@ class CaptionCollator:
             c = s['captions'][int(torch.randint(len(s['captions']), ())) if self.caption_choice == 'random' else 0]
             caps.append('' if self.caption_dropout and float(torch.rand(())) < self.caption_dropout else c)
         tensors = {k: torch.stack([s[k] for s in samples]) for k, v in samples[0].items() if isinstance(v, torch.Tensor)}
-        return {**tensors, 'caption': caps, 'scene': [s.get('scene') for s in samples], 'key': [s.get('key') for s in samples]}
+        out = {**tensors, 'caption': caps, 'scene': [s.get('scene') for s in samples], 'key': [s.get('key') for s in samples]}
+        if any('skipped' in s for s in samples): out['skipped'] = torch.tensor(sum(s.get('skipped', 0) for s in samples))
+        return out
 
 collate = CaptionCollator()
 

@@ -233,3 +233,17 @@ def test_images_without_a_metadata_row_are_reported(tmp_path, caplog):
     with caplog.at_level('WARNING', logger='imagegen.data'):
         src = ImageFolderSource(root, ImageTransform(32))
     assert src.unlisted == ['stray.png'] and 'stray.png' in caplog.text and len(src) == 4
+
+
+def test_bad_samples_are_totalled_over_ranks_and_workers(tmp_path):
+    "2 ranks x 2 loader workers, one epoch over 40 images of which 3 are bad: the run counts exactly 3."
+    from conftest import launch
+    root = shapes_folder(tmp_path/'data', n=40)
+    for name in ('000002.png', '000017.png', '000033.png'): (root/name).write_bytes(b'\x89PNG broken')
+    out = tmp_path/'run'
+    p = launch('scripts/train_vae.py', '--train_data_dir', root, '--output_dir', out, '--max_train_steps', 5, '--train_batch_size', 4,
+               '--dataloader_num_workers', 2, '--max_bad_frac', 0.1, '--report_to', 'none', '--checkpointing_steps', 5,
+               '--base_channels', 16)
+    st = json.loads((out/'checkpoints'/'step_00000005'/'trainer_state.json').read_text())
+    assert (st['global_batches_in_epoch'], st['bad_samples']) == (10, 3), st   # all 40 items asked for once, 3 of them bad
+    assert '3 bad sample(s) skipped in this run' in p.stderr

@@ -205,7 +205,7 @@ class Trainer:
             raise ConfigError(f"TrainConfig.grad_accum={cfg.grad_accum} but the accelerator accumulates {self.acc.gradient_accumulation_steps} steps: build it with make_accelerator(cfg).")
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out/'checkpoints'
-        self.step = self.epoch = self.batch_in_epoch = self.bad_total = self.bad_run = 0
+        self.step = self.epoch = self.batch_in_epoch = self.bad_total = self.bad_run = self.bad_samples = self._skipped = 0
         self.epoch_metrics, self.epoch_sums, self.history = [], {}, []
         self.run_name, self._stop_signal, self.ema = cfg.run_name, 0, None
         if cfg.validation_prompts:
@@ -251,7 +251,7 @@ def _steps_from_epochs(self:Trainer) -> int:
 @patch
 def _trainer_state(self:Trainer) -> dict:
     return {'step': self.step, 'epoch': self.epoch, 'global_batches_in_epoch': self.batch_in_epoch * self.acc.num_processes,
-            'num_processes': self.acc.num_processes, 'bad_steps_total': self.bad_total, 'run_name': self.run_name,
+            'num_processes': self.acc.num_processes, 'bad_steps_total': self.bad_total, 'bad_samples': self.bad_samples, 'run_name': self.run_name,
             'epoch_sums': self.epoch_sums, 'epoch_metrics': self.epoch_metrics, 'max_steps': self.max_steps,
             'lr_scheduler': self.sched.state_dict(),
             'ema': {k: v for k, v in self.ema.state_dict().items() if k != 'shadow_params'} if self.ema else None}
@@ -285,7 +285,7 @@ def _resume(self:Trainer) -> Path|None:
         shadow = ema_tensors(ckpt)
         if shadow is None: warnings.warn(f"{ckpt} has no EMA (the run trained without it): the EMA starts from the current weights.")
         else: self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow}); self.ema.to(self.acc.device)
-    self.step, self.epoch, self.bad_total = st['step'], st['epoch'], st['bad_steps_total']
+    self.step, self.epoch, self.bad_total, self.bad_samples = st['step'], st['epoch'], st['bad_steps_total'], st.get('bad_samples', 0)
     self.epoch_sums, self.epoch_metrics = st['epoch_sums'], st['epoch_metrics']
     self.run_name = self.cfg.run_name or st['run_name']
     gb, n = st['global_batches_in_epoch'], self.acc.num_processes
@@ -434,11 +434,15 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     gn = torch.zeros((), device=acc.device) if gn is None else gn.detach().float()
     bad = sums[-1] > 0
     if acc.mixed_precision != 'fp16': bad = bad | ~torch.isfinite(gn)
-    status = torch.cat([sums[:-1] / n_micro, torch.stack([bad.float(), torch.tensor(float(self._stop_signal > 0), device=acc.device), gn])])
+    flags = torch.tensor([float(self._skipped), 0.0, float(self._stop_signal > 0)], device=acc.device)   # skipped samples, bad, stop
+    flags[1] = bad.float()
+    status = torch.cat([sums[:-1] / n_micro, flags, gn.reshape(1)])
+    self._skipped = 0
     if acc.num_processes > 1: status = acc.reduce(status, 'sum')
     vals = status.tolist()
     n = acc.num_processes
     logs = {k: v / n for k, v in zip(keys, vals[:len(keys)])} | {'grad_norm': vals[-1] / n, 'lr': self.sched.get_last_lr()[0]}
+    self.bad_samples += int(round(vals[-4]))   # bad samples met by every worker of every rank
     if vals[-3] > 0: self._skip_bad(logs)
     else:
         self.opt.step()
@@ -493,6 +497,7 @@ def _run_epoch(self:Trainer, bar):
             sums = vec if sums is None else sums + vec
             n_micro, self.batch_in_epoch = n_micro + 1, self.batch_in_epoch + 1
             self._images += batch_size_of(self.task, batch)
+            if isinstance(batch, dict) and 'skipped' in batch: self._skipped += int(batch['skipped'])
             if acc.sync_gradients:
                 logs = self._update(sums, n_micro, keys)
                 sums, n_micro = None, 0
@@ -525,7 +530,7 @@ def _after_update(self:Trainer, logs:dict, bar):
         now = time.perf_counter()
         ips = (self._images - self._log_img) * acc.num_processes / max(now - self._log_t, 1e-9)
         self._log_t, self._log_img = now, self._images
-        logs = logs | {'images_per_s': ips, 'bad_steps': self.bad_total, 'epoch': self.epoch}
+        logs = logs | {'images_per_s': ips, 'bad_steps': self.bad_total, 'bad_samples': self.bad_samples, 'epoch': self.epoch}
         self.last_logs = logs
         if cfg.tracker != 'none': acc.log(scalars(logs), step=step)
         bar.set_postfix(loss=f"{logs['loss']:.4g}", img_s=f"{ips:.1f}", refresh=False)
@@ -663,9 +668,11 @@ def _fit(self:Trainer) -> dict:
     finally:
         bar.close(); self._restore_signals()
         if cfg.tracker != 'none': acc.end_training()
+    if self.bad_samples and acc.is_main_process:
+        print(f"{self.bad_samples} bad sample(s) skipped in this run, counted over every rank and loader worker (the warnings name them).", file=sys.stderr, flush=True)
     dt, n = self._t_end - self._t0, (self._img_end - self._img0) * acc.num_processes
     return {'status': 'finished', 'step': self.step, 'epoch': self.epoch, 'resumed_from': str(resumed) if resumed else None,
-            'losses': self.history, 'last_logs': self.last_logs, 'epoch_metrics': self.epoch_metrics, 'bad_steps': self.bad_total,
+            'losses': self.history, 'last_logs': self.last_logs, 'epoch_metrics': self.epoch_metrics, 'bad_steps': self.bad_total, 'bad_samples': self.bad_samples,
             'checkpoint': str(self.last_ckpt), 'model_dir': str(model_dir) if model_dir else None, 'run_name': self.run_name,
             'images_per_s': n / dt if n and dt > 0 else float('nan')}
 
