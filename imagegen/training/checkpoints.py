@@ -95,7 +95,7 @@ def _torch_load_safe(f:Path):
     "`torch.load` with `weights_only=True` (no code runs), allowing only the numpy types accelerate's random states need."
     import torch
     from accelerate.utils.other import load
-    return load(str(f), map_location='cpu', weights_only=True)
+    return load(str(f), map_location='cpu', weights_only=True, mmap=True)   # mapped, not read: an optimizer state can be GBs
 
 def check_checkpoint(ckpt:str|Path) -> dict:
     "Read every file of checkpoint `ckpt` without running code; returns its trainer state, or raises `CheckpointError` naming the bad file."
