@@ -168,9 +168,10 @@ def resolve_run(defaults:dict[str, Config], path:str|Path|None=None, overrides:d
         out[name] = cfg
     return out
 
-def run_yaml(configs:dict[str, Config], path:str|Path|None=None) -> str:
-    "The run's sections as YAML (what `--config` reads); also written to `path` when given."
-    text = yaml.safe_dump({k: c.to_dict() for k, c in configs.items()}, sort_keys=False)
+def run_yaml(configs:dict, path:str|Path|None=None) -> str:
+    "The run's sections (configs or plain dicts; `IGNORED_SECTIONS` left out) as YAML that `--config` reads; also written to `path` when given."
+    text = yaml.safe_dump({k: c.to_dict() if isinstance(c, Config) else c for k, c in configs.items() if k not in IGNORED_SECTIONS},
+                          sort_keys=False)
     if path is not None: Path(path).write_text(text)
     return text
 
@@ -244,7 +245,7 @@ def parse_run(defaults:dict[str, Config], flags:list[Flag]=(), argv:list[str]|No
         if isinstance(v, list) and len(v) == 1 and ',' in v[0]:  # '--block_out_channels 64,128'
             s, _, f = dest.split('|')[0].partition('.')
             hint = type(defaults[s]).field_types().get(f)
-            if str not in typing.get_args(hint) and 'str' not in str(hint): v = v[0]
+            if 'str' not in str(hint): v = v[0]   # numbers split on commas; prompts keep theirs
         for t in dest.split('|'):
             s, _, f = t.partition('.')
             overrides.setdefault(s, {})[f] = v

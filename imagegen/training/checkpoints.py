@@ -162,7 +162,7 @@ def _me() -> dict:
 
 def holder_gone(h:dict) -> bool:
     "Whether the run described by lock contents `h` has provably ended (else it may be alive, and its lock is respected)."
-    import socket, subprocess
+    import subprocess
     me = _me()
     job = h.get('slurm_job_id')
     if job and job == me['slurm_job_id']: return h.get('slurm_restart') != me['slurm_restart'] or h.get('pid') == me['pid']

@@ -8,7 +8,7 @@ import datetime, itertools, json, math, os, random, shutil, signal, sys, threadi
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Protocol, runtime_checkable
-import numpy as np, torch, yaml
+import numpy as np, torch
 from torch import nn
 from PIL import Image
 from tqdm.auto import tqdm
@@ -18,7 +18,7 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
 from diffusers.optimization import get_scheduler, SchedulerType
 from diffusers.training_utils import EMAModel
-from ..config import Config, ConfigError, Flag, UserError
+from ..config import Config, ConfigError, Flag, UserError, run_yaml
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
                                           CheckpointError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, ema_tensors,
@@ -318,7 +318,6 @@ def _apply_changes(self:Trainer, ckpt:Path, st:dict):
         else: notes.append(f"{key}: {ov!r} -> {nv!r} (applied from step {self.step})")
     if notes and self.acc.is_main_process:
         print(f"resuming with settings changed since {ckpt.name}:\n  " + '\n  '.join(notes), file=sys.stderr, flush=True)
-    self.changes = notes
 
 # %% ../../nbs/02c_loop.ipynb #0312c355
 @patch
@@ -332,7 +331,6 @@ TRACKER_FILE = 'tracker.json'
 
 def mlflow_uri(cfg:TrainConfig) -> str:
     "The MLflow store of `cfg`: `tracking_uri`, else `$MLFLOW_TRACKING_URI`, else a sqlite file `mlruns.db` in the working directory."
-    import os
     return cfg.tracking_uri or os.environ.get('MLFLOW_TRACKING_URI') or f"sqlite:///{Path.cwd()/'mlruns.db'}"
 
 @patch
@@ -345,7 +343,7 @@ def _start_logging(self:Trainer, resumed:Path|None=None):
     if acc.is_main_process:
         write_atomic(self.out/'run_info.json', json.dumps(self.info, indent=1))
         # the resolved sections as a file `--config` reads: the run repeated exactly
-        write_atomic(self.out/'config.yaml', yaml.safe_dump({k: v for k, v in self.info['config'].items() if k != 'launcher'}, sort_keys=False))
+        write_atomic(self.out/'config.yaml', run_yaml(self.info['config']))
 
 def _log_new_params(params:dict):
     "Into the active MLflow run, which refuses to change a logged parameter: log the new `params`, and the changed ones as `changed_on_resume/` tags."
@@ -434,9 +432,8 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     gn = torch.zeros((), device=acc.device) if gn is None else gn.detach().float()
     bad = sums[-1] > 0
     if acc.mixed_precision != 'fp16': bad = bad | ~torch.isfinite(gn)
-    flags = torch.tensor([float(self._skipped), 0.0, float(self._stop_signal > 0)], device=acc.device)   # skipped samples, bad, stop
-    flags[1] = bad.float()
-    status = torch.cat([sums[:-1] / n_micro, flags, gn.reshape(1)])
+    extra = lambda x: torch.tensor(float(x), device=acc.device)
+    status = torch.cat([sums[:-1] / n_micro, torch.stack([extra(self._skipped), bad.float(), extra(self._stop_signal > 0), gn])])
     self._skipped = 0
     if acc.num_processes > 1: status = acc.reduce(status, 'sum')
     vals = status.tolist()
