@@ -21,7 +21,7 @@ __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 
            'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder',
            'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample', 'dist_info', 'ShardSource',
            'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator', 'make_dataloader', 'DataConfig',
-           'is_shapes', 'shapes_prompts']
+           'is_shapes', 'shapes_prompts', 'EncodedDataset', 'encode_dataset']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -620,3 +620,50 @@ def shapes_prompts(n:int=8, split:str='test', level:int=1) -> list[str]:
     from imagegen.shapes import prompt
     ds = ShapesDataset(split, level, n=n)
     return [prompt(ds.scene(i)) for i in range(n)]
+
+# %% ../nbs/01a_data.ipynb #3e81c624
+class EncodedDataset(Dataset):
+    "Loader samples `{**tensors, 'captions', 'scene', 'key'}`: named per-image tensors (latents, token ids) computed once."
+    def __init__(self, tensors:dict[str, torch.Tensor], captions:list, scenes:list|None=None, keys:list|None=None):
+        n = len(captions)
+        bad = {k: len(v) for k, v in tensors.items() if len(v) != n}
+        if bad or not tensors: raise ValueError(f"EncodedDataset: {n} caption lists but tensors of lengths {bad or 'none'}.")
+        self.tensors, self.captions = dict(tensors), list(captions)
+        self.scenes, self.keys = list(scenes or [None] * n), list(keys or [str(i) for i in range(n)])
+    def __len__(self): return len(self.captions)
+    def __getitem__(self, i:int) -> dict:
+        return {**{k: v[i] for k, v in self.tensors.items()}, 'captions': self.captions[i], 'scene': self.scenes[i], 'key': self.keys[i]}
+    def __repr__(self): return f"EncodedDataset({len(self)} samples: {', '.join(f'{k} {tuple(v.shape[1:])} {v.dtype}' for k, v in self.tensors.items())})"
+
+    def save(self, path:str|Path) -> Path:
+        "Write `path.safetensors` (tensors) and `path.json` (captions, scenes, keys) atomically."
+        from safetensors.torch import save_file
+        p = Path(path).with_suffix(''); p.parent.mkdir(parents=True, exist_ok=True)
+        for suffix, write in (('.safetensors', lambda f: save_file({k: v.contiguous() for k, v in self.tensors.items()}, f)),
+                              ('.json', lambda f: Path(f).write_text(json.dumps({'captions': self.captions, 'scenes': self.scenes, 'keys': self.keys})))):
+            tmp = p.with_name(p.name + suffix + '.tmp'); write(str(tmp)); os.replace(tmp, p.with_name(p.name + suffix))
+        return p
+
+    @classmethod
+    def load(cls, path:str|Path) -> EncodedDataset:
+        "The dataset `save` wrote at `path`."
+        from safetensors.torch import load_file
+        p = Path(path).with_suffix('')
+        files = [p.with_name(p.name + s) for s in ('.safetensors', '.json')]
+        if missing := [str(f) for f in files if not f.exists()]: raise FileNotFoundError(f"EncodedDataset.load: {missing} missing: encode the dataset again.")
+        meta = json.loads(files[1].read_text())
+        return cls(load_file(str(files[0])), meta['captions'], meta['scenes'], meta['keys'])
+
+def encode_dataset(encode, dataset, batch_size:int=256, progress:bool=True, desc:str='encoding') -> EncodedDataset:
+    "Run `encode(pixel_values) -> {name: (B, ...) tensor}` once over a map-style loader dataset (`make_dataset`)."
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("encode_dataset needs a map-style dataset (Shapes, an image folder, a Hugging Face dataset); streamed WebDataset "
+                        "shards cannot be cached: train without caching.")
+    from tqdm.auto import tqdm
+    parts, caps, scenes, keys = {}, [], [], []
+    for samples in tqdm(DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=lambda s: s), desc=desc, disable=not progress):
+        with torch.no_grad(): out = encode(torch.stack([s['pixel_values'] for s in samples]))
+        for k, v in out.items(): parts.setdefault(k, []).append(v.detach().cpu())
+        for s in samples: caps.append(s['captions']); scenes.append(s.get('scene')); keys.append(s.get('key'))
+    if not caps: raise ValueError("encode_dataset: the dataset is empty.")
+    return EncodedDataset({k: torch.cat(v) for k, v in parts.items()}, caps, scenes, keys)

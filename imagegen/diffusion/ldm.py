@@ -18,12 +18,12 @@ from .sampling import make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder
 from ..config import Config, ConfigError
-from ..data import DataConfig
+from ..data import DataConfig, EncodedDataset, encode_dataset
 from ..training.loop import make_optimizer
 
 # %% auto #0
 __all__ = ['LDM_FILE', 'LDMConfig', 'LDMDataConfig', 'build_unet', 'build_scheduler', 'UNetWithTextEncoder', 'LatentDiffusion',
-           'diffusion_target', 'loss_weights', 'LatentCache', 'cache_latents']
+           'diffusion_target', 'loss_weights', 'cache_latents']
 
 # %% ../../nbs/04b_ldm.ipynb #fdb1e226
 @dataclass
@@ -239,31 +239,14 @@ def loss(self:LatentDiffusion, model:nn.Module, batch:dict, generator:torch.Gene
     return {'loss': (w * mse).mean(), 'mse': mse.mean().detach()}
 
 # %% ../../nbs/04b_ldm.ipynb #63b65623
-class LatentCache(torch.utils.data.Dataset):
-    "Samples `{'latent_mean', 'latent_std', 'captions', 'scene', 'key'}`: a dataset's images encoded once by a frozen autoencoder."
-    def __init__(self, mean:torch.Tensor, std:torch.Tensor, captions:list, scenes:list|None=None, keys:list|None=None):
-        if not len(mean) == len(std) == len(captions): raise ValueError(f"LatentCache: {len(mean)} means, {len(std)} stds, {len(captions)} caption lists.")
-        self.mean, self.std, self.captions = mean, std, captions
-        self.scenes, self.keys = scenes or [None] * len(mean), keys or [str(i) for i in range(len(mean))]
-    def __len__(self): return len(self.mean)
-    def __getitem__(self, i:int) -> dict:
-        return {'latent_mean': self.mean[i], 'latent_std': self.std[i], 'captions': self.captions[i], 'scene': self.scenes[i], 'key': self.keys[i]}
-
 def cache_latents(autoencoder:ImageAutoencoder, dataset, batch_size:int=256, device=None, progress:bool=True,
-                  mode:bool=False) -> LatentCache:
-    "Encode every sample of a map-style loader dataset (`imagegen.data.make_dataset`) once; `mode`: keep the posterior mean only (std 0)."
-    from torch.utils.data import DataLoader, IterableDataset
-    from tqdm.auto import tqdm
-    if isinstance(dataset, IterableDataset):
-        raise TypeError("cache_latents needs a map-style dataset (Shapes, an image folder, a Hugging Face dataset); streamed WebDataset shards cannot be cached: train without caching.")
+                  mode:bool=False) -> EncodedDataset:
+    "`{'latent_mean', 'latent_std'}` of every sample of a map-style loader dataset, encoded once; `mode`: the posterior mean only (std 0)."
     device = device or next(iter(autoencoder.parameters()), torch.empty(0)).device
-    dl = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=lambda s: s)
-    means, stds, caps, scenes, keys = [], [], [], [], []
-    for samples in tqdm(dl, desc='caching latents', disable=not progress):
-        m, sd = autoencoder.encode_dist(torch.stack([s['pixel_values'] for s in samples]).to(device))
-        means.append(m.cpu()); stds.append(torch.zeros_like(sd).cpu() if mode else sd.cpu())
-        for s in samples: caps.append(s['captions']); scenes.append(s.get('scene')); keys.append(s.get('key'))
-    return LatentCache(torch.cat(means), torch.cat(stds), caps, scenes, keys)
+    def encode(x):
+        m, sd = autoencoder.encode_dist(x.to(device))
+        return {'latent_mean': m, 'latent_std': torch.zeros_like(sd) if mode else sd}
+    return encode_dataset(encode, dataset, batch_size, progress, desc='caching latents')
 
 # %% ../../nbs/04b_ldm.ipynb #bd7edd71
 @patch
