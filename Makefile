@@ -51,26 +51,46 @@ test: check sysdeps
 	@if [ -n "$${CI:-}" ] && [ -n "$$(git status --porcelain 2>/dev/null)" ]; then \
 	  echo "the tests left the tree dirty:"; git status --porcelain; exit 1; fi
 
-# The main job: Shapes -> tiny VAE -> tiny latent diffusion -> held-out prompts -> grid + metrics JSON.
+# The main job: Shapes -> a first stage -> a text-to-image model -> held-out prompts -> grid + metrics JSON.
+#   FAMILY=ldm (default): tiny KL VAE -> tiny latent diffusion (recipes scripts/configs/main_vae.yaml, main_ldm.yaml)
+#   FAMILY=gpt:           tiny VQ-VAE -> tiny latent GPT       (recipes scripts/configs/main_vqvae.yaml, main_gpt.yaml)
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
-# The recipes are scripts/configs/main_vae.yaml and main_ldm.yaml; VAE_STEPS / LDM_STEPS override their step counts.
+# VAE_STEPS / LDM_STEPS (ldm) and VQ_STEPS / GPT_STEPS (gpt) override the recipes' step counts.
+FAMILY ?= ldm
 MAIN ?= runs/main
 VAE_STEPS ?=
 LDM_STEPS ?=
+VQ_STEPS ?=
+GPT_STEPS ?=
 N_EVAL ?= 200
 N_TRAIN ?= 10000
 # on CPU, one process that uses every core (accelerate launch alone would pin it to one thread)
 LAUNCH := $(BIN)/accelerate launch $(if $(ACCELERATE_USE_CPU),--num_processes 1 --num_cpu_threads_per_process $(shell nproc),)
-main: check
-	$(BIN)/imagegen-diagnose
-	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
+TRAIN_DATA = $(MAIN)/shapes/imagefolder/train
+define TRAIN_ldm
 	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_vae.yaml --output_dir $(MAIN)/vae \
-	  --train_data_dir $(MAIN)/shapes/imagefolder/train $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
+	  --train_data_dir $(TRAIN_DATA) $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
 	$(LAUNCH) scripts/train_ldm.py --config scripts/configs/main_ldm.yaml --output_dir $(MAIN)/ldm --vae $(MAIN)/vae/model \
-	  --train_data_dir $(MAIN)/shapes/imagefolder/train $(if $(LDM_STEPS),--max_train_steps $(LDM_STEPS))
+	  --train_data_dir $(TRAIN_DATA) $(if $(LDM_STEPS),--max_train_steps $(LDM_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/samples
-	@echo "grid: $(MAIN)/samples/grid.png  metrics: $(MAIN)/samples/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
+endef
+define TRAIN_gpt
+	$(LAUNCH) scripts/train_vqvae.py --config scripts/configs/main_vqvae.yaml --output_dir $(MAIN)/vqvae \
+	  --train_data_dir $(TRAIN_DATA) $(if $(VQ_STEPS),--max_train_steps $(VQ_STEPS))
+	$(LAUNCH) scripts/train_gpt.py --config scripts/configs/main_gpt.yaml --output_dir $(MAIN)/gpt --vqvae $(MAIN)/vqvae/model \
+	  --train_data_dir $(TRAIN_DATA) $(if $(GPT_STEPS),--max_train_steps $(GPT_STEPS))
+	$(PY) scripts/sample.py --model $(MAIN)/gpt/model --shapes_split test --n $(N_EVAL) --out $(MAIN)/gpt-samples
+	$(PY) scripts/evaluate.py --samples $(MAIN)/gpt-samples
+endef
+SAMPLES_ldm := $(MAIN)/samples
+SAMPLES_gpt := $(MAIN)/gpt-samples
+main: check
+	@case "$(FAMILY)" in ldm|gpt) ;; *) echo "FAMILY=$(FAMILY): choose ldm or gpt"; exit 2;; esac
+	$(BIN)/imagegen-diagnose
+	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
+	$(TRAIN_$(FAMILY))
+	@echo "grid: $(SAMPLES_$(FAMILY))/grid.png  metrics: $(SAMPLES_$(FAMILY))/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
 
 # the distributed check alone (2 CPU ranks here, every GPU on a GPU node)
 diagnose: install

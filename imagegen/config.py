@@ -12,7 +12,7 @@ import yaml
 
 # %% auto #0
 __all__ = ['IGNORED_SECTIONS', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run', 'run_yaml', 'Flag',
-           'run_parser', 'parse_run', 'run_cli']
+           'run_parser', 'parse_run', 'run_cli', 'run_script']
 
 # %% ../nbs/00b_config.ipynb #61751582
 class UserError(Exception):
@@ -260,3 +260,13 @@ def run_cli(main, argv:list[str]|None=None, prog:str|None=None):
     except (UserError, FileNotFoundError) as e:
         print(f"{prog or Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+# %% ../nbs/00b_config.ipynb #594a0965
+def run_script(func, argv:list[str]|None=None, prog:str|None=None):
+    "Parse `argv` into `func`'s docments-annotated keyword arguments (no abbreviations) and call it through `run_cli`."
+    import inspect
+    from fastcore.script import anno_parser
+    parser = anno_parser(func, prog)
+    parser.allow_abbrev = False
+    params = inspect.signature(func).parameters   # anno_parser adds --pdb and --xtra, which `func` does not take
+    return run_cli(lambda a: func(**{k: v for k, v in vars(parser.parse_args(a)).items() if k in params}), argv, prog)

@@ -21,7 +21,7 @@ __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 
            'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder',
            'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample', 'dist_info', 'ShardSource',
            'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator', 'make_dataloader', 'DataConfig',
-           'is_shapes', 'shapes_prompts', 'EncodedDataset', 'encode_dataset']
+           'is_shapes', 'shapes_prompts', 'collect_captions', 'EncodedDataset', 'encode_dataset']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -621,7 +621,20 @@ def shapes_prompts(n:int=8, split:str='test', level:int=1) -> list[str]:
     ds = ShapesDataset(split, level, n=n)
     return [prompt(ds.scene(i)) for i in range(n)]
 
-# %% ../nbs/01a_data.ipynb #3e81c624
+# %% ../nbs/01a_data.ipynb #6d394446
+def collect_captions(dl, n_batches:int=50, seed:int=0) -> list[str]:
+    "Non-empty captions of the first `n_batches` batches (the corpus for a tiny tokenizer): the same in every run, and rank 0's on every rank."
+    from accelerate.utils import broadcast_object_list
+    caps = []
+    with torch.random.fork_rng(devices=[]):  # the loader's shuffle, caption choice and dropout draw from torch's global RNG
+        torch.manual_seed(seed)
+        for i, b in enumerate(dl):
+            if i >= n_batches: break
+            caps += [c for c in b['caption'] if c]
+    if not caps: raise ValueError("No captions in the first batches of the data loader: a 'tiny' text encoder needs captioned data.")
+    return broadcast_object_list([caps])[0]
+
+# %% ../nbs/01a_data.ipynb #e8dd268c
 class EncodedDataset(Dataset):
     "Loader samples `{**tensors, 'captions', 'scene', 'key'}`: named per-image tensors (latents, token ids) computed once."
     def __init__(self, tensors:dict[str, torch.Tensor], captions:list, scenes:list|None=None, keys:list|None=None):

@@ -14,7 +14,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['BOS', 'EOS', 'train_clip_tokenizer', 'tiny_clip_tokenizer', 'TextEncoder']
+__all__ = ['BOS', 'EOS', 'train_clip_tokenizer', 'tiny_clip_tokenizer', 'TextEncoder', 'load_text_encoder']
 
 # %% ../nbs/01b_text.ipynb #4627cf4c
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -158,3 +158,21 @@ def from_pretrained(cls:TextEncoder, name_or_path:str|Path, cache_dir:str|None=N
     tok = CLIPTokenizer.from_pretrained(str(name_or_path), cache_dir=cache_dir, revision=revision, **sub['tok'])
     model = CLIPTextModel.from_pretrained(str(name_or_path), cache_dir=cache_dir, dtype=torch_dtype, revision=revision, **sub['model'], **kwargs)
     return cls(tok, model, trainable=trainable, cache_size=cache_size)
+
+# %% ../nbs/01b_text.ipynb #c51414b0
+def load_text_encoder(name:str, corpus:list[str]|None=None, *, hidden:int=64, layers:int=2, max_length:int=32,
+                      trainable:bool=False, cache_dir:str|None=None, owner:str='config', **kwargs) -> TextEncoder:
+    "'tiny' (tokenizer trained on `corpus`, random `CLIPTextModel`) or `TextEncoder.from_pretrained(name, **kwargs)`."
+    if name == 'tiny':
+        if not corpus: raise ValueError(f"{owner}.text_encoder='tiny' builds its tokenizer from the training captions: pass corpus=[...captions...].")
+        return TextEncoder.tiny(corpus, hidden=hidden, layers=layers, max_length=max_length, trainable=trainable)
+    return TextEncoder.from_pretrained(name, cache_dir=cache_dir, trainable=trainable, **kwargs)
+
+@patch
+def check_length(self:TextEncoder, prompts:list[str]) -> list[str]:
+    "`prompts`, or a ValueError naming the first one with more tokens than the encoder's context."
+    for p in ([prompts] if isinstance(prompts, str) else prompts):
+        n = len(self.tokenizer(p, truncation=False).input_ids)
+        if n > self.max_length:
+            raise ValueError(f"prompt {p[:80]!r} is {n} tokens long but the text encoder reads {self.max_length} (with start and end): shorten it.")
+    return list(prompts)

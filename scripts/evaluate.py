@@ -4,7 +4,9 @@ from __future__ import annotations
 import json, os
 from pathlib import Path
 from PIL import Image
-from fastcore.script import bool_arg, call_parse
+import argparse
+from fastcore.script import str2bool
+from imagegen.config import run_cli
 from imagegen.autoencoders.kl import ImageAutoencoder
 from imagegen.metrics import evaluate_images, first_stage_report, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
@@ -31,11 +33,22 @@ def real_images(rows:list[dict], real:str|None) -> list[Image.Image]|None:
     return None
 
 def first_stage(rows:list[dict], which:str|None) -> Path|None:
-    "The VAE folder whose reconstructions set the adherence ceiling: 'auto' is the sampled model's `vae/` (None when absent), '' none."
+    "The first stage whose reconstructions set the adherence ceiling: 'auto' is the sampled model's `vae/` or `vqvae/` (None when absent), '' none."
     if not which: return None
     if which != 'auto': return Path(which)
     model = rows[0].get('model')
-    return Path(model)/'vae' if model and (Path(model)/'vae'/'config.json').exists() else None
+    return next((Path(model)/s for s in ('vae', 'vqvae') if model and (Path(model)/s/'config.json').exists()), None)
+
+def load_first_stage(path:Path|str):
+    "A KL VAE (`ImageAutoencoder`, None in pixel space) or a VQ model (`VQTokenizer`) with `encode`/`decode`, after its config."
+    p = Path(path)
+    if not p.exists(): raise FileNotFoundError(f"--vae {p} does not exist: pass a VAE or VQ model folder, 'auto' or ''.")
+    cfg = json.loads((p/'config.json').read_text()) if (p/'config.json').exists() else {}
+    if cfg.get('_class_name') == 'VQModel':
+        from imagegen.autoencoders.vq import VQTokenizer
+        return VQTokenizer.from_pretrained(p)
+    ae = ImageAutoencoder.from_pretrained(p)
+    return None if ae.is_pixel else ae
 
 def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=None) -> str|None:
     "Log numeric `metrics` as `eval/<name>` into the tracker run that trained `model_dir`; returns where, or None."
@@ -58,37 +71,44 @@ def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=No
         return f"TensorBoard {tr['log_dir']}, step {step}"
     return None
 
-@call_parse
-def main(samples:str='runs/samples', # folder written by scripts/sample.py
-         out:str=None, # metrics JSON (default: SAMPLES/metrics.json)
-         real:str='scenes', # FID/KID reference: 'scenes' (ground-truth renders of the prompts), a folder of images, or ''
-         clip:str=None, # CLIP model name or local folder for CLIP score (skipped when not given)
-         feature:str='auto', # FID/KID features: auto (Inception if torch-fidelity is installed, else random-conv), inception, random
-         vae:str='auto', # first-stage ceiling: oracle on this VAE's reconstructions of the true images ('auto': the model's vae/; '' skips)
-         log_to_run:bool_arg=True, # also log the metrics into the MLflow run / TensorBoard folder of the run that trained the model
-        ):
+def parse_args(argv:list[str]|None=None):
+    p = argparse.ArgumentParser(prog='evaluate.py', description="Compute every metric the samples allow and write them as JSON.", allow_abbrev=False)
+    p.add_argument('--samples', default='runs/samples', help="folder written by scripts/sample.py")
+    p.add_argument('--out', help="metrics JSON (default: SAMPLES/metrics.json)")
+    p.add_argument('--real', default='scenes', help="FID/KID reference: 'scenes' (ground-truth renders of the prompts), a folder of images, or ''")
+    p.add_argument('--clip', help="CLIP model name or local folder for CLIP score (skipped when not given)")
+    p.add_argument('--feature', default='auto', choices=('auto', 'inception', 'random'),
+                   help="FID/KID features: auto (Inception if torch-fidelity is installed, else random-conv), inception, random")
+    p.add_argument('--vae', default='auto', help="first-stage ceiling: oracle on this VAE's or VQ model's reconstructions of the true images "
+                                                "('auto': the model's vae/ or vqvae/; '' skips)")
+    p.add_argument('--log_to_run', default=True, type=str2bool, help="also log the metrics into the MLflow run / TensorBoard folder of the run that trained the model")
+    return p.parse_args(argv)
+
+def main(argv:list[str]|None=None) -> dict|None:
     "Compute every metric the samples allow and write them as JSON."
+    a = parse_args(argv)
     if int(os.environ.get('RANK', 0)) > 0: return None  # not the main process of a launch: rank 0 does it all
-    rows = read_samples(samples)
+    rows = read_samples(a.samples)
     scenes = [r.get('scene') for r in rows]
     has_scenes = all(scenes)
-    refs = real_images(rows, real)
+    refs = real_images(rows, a.real)
     m = evaluate_images([r['image'] for r in rows], [r['prompt'] for r in rows], scenes=scenes if has_scenes else None,
-                        real_images=refs if refs and len(refs) >= 2 else None, clip=clip, oracle=ShapesOracle() if has_scenes else None,
-                        feature=feature)
-    m.update({k: rows[0].get(k) for k in ('sampler', 'steps', 'guidance', 'model') if k in rows[0]})
-    vae_dir = first_stage(rows, vae) if has_scenes else None
-    if vae_dir is not None:
-        ae = ImageAutoencoder.from_pretrained(str(vae_dir))
-        if not ae.is_pixel:
-            truth = refs if real == 'scenes' else real_images(rows, 'scenes')
-            m.update(first_stage_report(ae, truth, scenes, ShapesOracle()))
-    path = write_metrics_json(out or Path(samples)/'metrics.json', m)
+                        real_images=refs if refs and len(refs) >= 2 else None, clip=a.clip, oracle=ShapesOracle() if has_scenes else None,
+                        feature=a.feature)
+    m.update({k: rows[0].get(k) for k in ('family', 'sampler', 'steps', 'guidance', 'temperature', 'top_k', 'top_p', 'model') if k in rows[0]})
+    stage_dir = first_stage(rows, a.vae) if has_scenes else None
+    ae = load_first_stage(stage_dir) if stage_dir is not None else None
+    if ae is not None:
+        truth = refs if a.real == 'scenes' else real_images(rows, 'scenes')
+        m.update(first_stage_report(ae, truth, scenes, ShapesOracle()))
+    path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
     if 'first_stage/color_and_shape' in m:
-        print(f"first-stage ceiling (oracle on VAE reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
+        print(f"first-stage ceiling (oracle on {stage_dir.name} reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
     if 'fid' in m: print(f"FID {m['fid']:.2f}  KID {m['kid_mean']:.4f} ({m['fid_features']})")
     print(f"metrics written to {path}")
-    where = log_to_training_run(m, rows[0].get('model'), Path(samples)/'grid.png') if log_to_run else None
+    where = log_to_training_run(m, rows[0].get('model'), Path(a.samples)/'grid.png') if a.log_to_run else None
     if where: print(f"metrics logged to {where}")
     return m
+
+if __name__ == '__main__' and '__file__' in globals(): run_cli(main, prog='evaluate.py')   # run as a script (a notebook has no __file__)

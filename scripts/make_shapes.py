@@ -3,14 +3,14 @@
 from __future__ import annotations
 import json, time
 from pathlib import Path
-from fastcore.script import call_parse
+from imagegen.config import ConfigError, run_script
 from imagegen.shapes import ShapesDataset, SPLITS
 from imagegen.data import write_imagefolder, write_shards, shard_pattern
 
 def make_shapes(out:str, resolution:int=32, level:int=1, n_train:int=10_000, n_validation:int=1_000, n_test:int=1_000,
                 fmt:str='both', samples_per_shard:int=1000, seed:int=0, image_format:str='png') -> dict:
     "Write every split of Shapes under `out` in format `fmt` ('imagefolder', 'shards' or 'both'); returns the info dict."
-    if fmt not in ('imagefolder', 'shards', 'both'): raise ValueError(f"--format must be imagefolder, shards or both, got {fmt!r}.")
+    if fmt not in ('imagefolder', 'shards', 'both'): raise ConfigError(f"--format must be imagefolder, shards or both, got {fmt!r}.")
     out, info = Path(out), {'resolution': resolution, 'level': level, 'seed': seed, 'splits': {}}
     for split, n in zip(SPLITS, (n_train, n_validation, n_test)):
         if not n: continue
@@ -26,7 +26,6 @@ def make_shapes(out:str, resolution:int=32, level:int=1, n_train:int=10_000, n_v
     (out/'info.json').write_text(json.dumps(info, indent=2))
     return info
 
-@call_parse
 def main(out:str='data/shapes', # output folder
          resolution:int=32, # image size in pixels
          level:int=1, # 1: one object; 2: two objects with a spatial relation
@@ -40,3 +39,5 @@ def main(out:str='data/shapes', # output folder
         ):
     "Write the Shapes benchmark as image folders with metadata.jsonl and/or WebDataset tar shards."
     return make_shapes(out, resolution, level, n_train, n_validation, n_test, format, samples_per_shard, seed, image_format)
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='make_shapes.py')   # run as a script (a notebook has no __file__)

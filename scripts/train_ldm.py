@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 from imagegen.config import Flag, parse_run, run_cli
-from imagegen.data import DATA_FLAGS, is_shapes, shapes_prompts
+from imagegen.data import DATA_FLAGS, collect_captions, is_shapes, shapes_prompts
 from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig, LDMDataConfig
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
-
-def collect_captions(dl, n_batches:int=50, seed:int=0) -> list[str]:
-    "Non-empty captions of the first `n_batches` batches (the corpus for a tiny tokenizer): the same in every run, and rank 0's on every rank."
-    import torch
-    from accelerate.utils import broadcast_object_list
-    caps = []
-    with torch.random.fork_rng(devices=[]):  # the loader's shuffle, caption choice and dropout draw from torch's global RNG
-        torch.manual_seed(seed)
-        for i, b in enumerate(dl):
-            if i >= n_batches: break
-            caps += [c for c in b['caption'] if c]
-    if not caps: raise ValueError("No captions in the first batches of the data loader: a 'tiny' text encoder needs captioned data.")
-    return broadcast_object_list([caps])[0]
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/ldm', lr=1e-4, max_steps=10000, batch_size=32, warmup_steps=100, ema_decay=0.999,
                                   n_samples=8, tags={'model': 'ldm'}),

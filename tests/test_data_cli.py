@@ -22,4 +22,6 @@ def test_make_shapes_writes_both_formats(tmp_path):
     assert {k: len(v) for k, v in hf.items()} == {'train': 12, 'validation': 4, 'test': 4}
     assert len(list(make_dataset(info['splits']['train']['shards'], 32, resampled=False))) == 12
     r = subprocess.run([sys.executable, 'scripts/make_shapes.py', '--out', str(tmp_path), '--format', 'zip'], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and 'imagefolder, shards or both' in r.stderr
+    assert r.returncode == 2 and 'imagefolder, shards or both' in r.stderr and 'Traceback' not in r.stderr
+    r = subprocess.run([sys.executable, 'scripts/make_shapes.py', '--out', str(tmp_path), '--n_tr', '3'], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and 'unrecognized arguments: --n_tr' in r.stderr   # no prefix abbreviations

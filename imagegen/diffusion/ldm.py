@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
 from .sampling import make_scheduler, sample_latents
 from ..grids import to_pil
-from ..text import TextEncoder
+from ..text import TextEncoder, load_text_encoder
 from ..config import Config, ConfigError
 from ..data import DataConfig, EncodedDataset, encode_dataset
 from ..training.loop import make_optimizer
@@ -174,11 +174,8 @@ def _load_autoencoder(cfg:LDMConfig) -> ImageAutoencoder:
 
 def _load_text_encoder(cfg:LDMConfig, corpus:list[str]|None) -> TextEncoder:
     name, kw = cfg.source('text_encoder')
-    if name == 'tiny':
-        if not corpus: raise ValueError("LDMConfig.text_encoder='tiny' builds its tokenizer from the training captions: pass corpus=[...captions...].")
-        return TextEncoder.tiny(corpus, hidden=cfg.text_hidden, layers=cfg.text_layers, max_length=cfg.text_max_length,
-                                trainable=cfg.train_text_encoder)
-    return TextEncoder.from_pretrained(name, cache_dir=cfg.cache_dir, trainable=cfg.train_text_encoder, **kw)
+    return load_text_encoder(name, corpus, hidden=cfg.text_hidden, layers=cfg.text_layers, max_length=cfg.text_max_length,
+                             trainable=cfg.train_text_encoder, cache_dir=cfg.cache_dir, owner='LDMConfig', **kw)
 
 @patch(cls_method=True)
 def from_config(cls:LatentDiffusion, cfg:LDMConfig|str='tiny', corpus:list[str]|None=None, autoencoder:ImageAutoencoder|None=None,

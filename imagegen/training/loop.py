@@ -338,6 +338,7 @@ def _start_logging(self:Trainer, resumed:Path|None=None):
     cfg, acc = self.cfg, self.acc
     self.run_name = self.run_name or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
     self.info = run_info(cfg, acc, self.sections) | {'run_name': self.run_name, 'task': f"{type(self.task).__module__}.{type(self.task).__qualname__}"}
+    if hasattr(self.task, 'model_info'): self.info['model_info'] = self.task.model_info()
     if acc.is_main_process: self.out.mkdir(parents=True, exist_ok=True)
     if cfg.tracker != 'none': self.info['tracker'] = self._start_tracker(resumed)
     if acc.is_main_process:
