@@ -12,15 +12,19 @@ import ipywidgets as W
 from fastcore.basics import patch
 from PIL import Image
 from accelerate import PartialState
+import torch
+from transformers import LogitsProcessor
+from .ar.task import GPT_FILE, TextToImageGPT
 from .diffusion.ldm import LatentDiffusion
-from .grids import make_grid, save_grid
+from .grids import make_grid, save_grid, to_pil
 from .diffusion.sampling import SAMPLERS, make_generators, make_scheduler, sample
 from .shapes import (COLOR_WORDS, POSITION_WORDS, RELATION_WORDS, SHAPE_WORDS, SIZE_WORDS, Scene, ShapeObject,
                              ShapesOracle)
 
 # %% auto #0
 __all__ = ['MAX_BATCH', 'GENERATOR_ADAPTERS', 'VERDICT_KEYS', 'GenerationRequest', 'ImageGenerator', 'LDMGenerator',
-           'as_generator', 'ShapesPrompt', 'parse_prompt', 'shapes_verdict', 'verdict_html', 'GenerationUI']
+           'GPTGenerator', 'as_generator', 'ShapesPrompt', 'parse_prompt', 'shapes_verdict', 'verdict_html',
+           'GenerationUI']
 
 # %% ../nbs/07b_interactive.ipynb #ee3fa3aa
 MAX_BATCH = 64   # images per click; more belongs in scripts/sample.py
@@ -80,13 +84,37 @@ class LDMGenerator:
                           callback=None if callback is None else (lambda i, n, latents: callback(i, n)))
         finally: ldm.unet.train(was)
 
+# %% ../nbs/07b_interactive.ipynb #35cce6c2
+class _TokenProgress(LogitsProcessor):
+    "Reports `callback(tokens done, tokens in the grid)` at each sampling step; scores pass through unchanged."
+    def __init__(self, callback:Callable[[int, int], None], n:int): self.callback, self.n = callback, n
+    def __call__(self, input_ids, scores):
+        self.callback(input_ids.shape[1] + 1, self.n)
+        return scores
+
+class GPTGenerator:
+    "`ImageGenerator` over a `TextToImageGPT`: CFG against the learned null text, one seed per image, progress per token."
+    samplers = ()
+    def __init__(self, t2i:TextToImageGPT, device=None):
+        self.t2i = t2i if device is None else t2i.to(device)
+
+    def __call__(self, request:GenerationRequest, callback:Callable[[int, int], None]|None=None) -> list[Image.Image]:
+        r, t2i = request.check(self.samplers), self.t2i
+        if r.negative_prompt: raise ValueError("Negative prompt: a latent GPT's unconditional stream is its learned null text; leave it empty.")
+        h, w = t2i.token_grid
+        gens = [torch.Generator(t2i.device).manual_seed(s) for s in r.seeds]
+        procs = None if callback is None else [_TokenProgress(callback, h * w)]
+        return to_pil(t2i.generate([r.prompt] * r.batch_size, guidance_scale=r.guidance, generator=gens, logits_processor=procs),
+                      value_range=(-1, 1))
+
 # %% ../nbs/07b_interactive.ipynb #28c6acfe
-GENERATOR_ADAPTERS:dict[type, Callable] = {LatentDiffusion: LDMGenerator}   # model class -> adapter(model, device)
+GENERATOR_ADAPTERS:dict[type, Callable] = {LatentDiffusion: LDMGenerator, TextToImageGPT: GPTGenerator}   # model class -> adapter(model, device)
 
 def as_generator(model, device=None) -> ImageGenerator:
-    "An `ImageGenerator` from a model folder (`LatentDiffusion.from_pretrained`), a model with an adapter, or a generator."
+    "An `ImageGenerator` from a model folder (a latent GPT's or `LatentDiffusion.from_pretrained`), a model with an adapter, or a generator."
     if isinstance(model, (str, Path)):
-        model, device = LatentDiffusion.from_pretrained(model), device or PartialState().device
+        load = TextToImageGPT.from_pretrained if (Path(model)/GPT_FILE).exists() else LatentDiffusion.from_pretrained
+        model, device = load(model), device or PartialState().device
     for cls, adapter in GENERATOR_ADAPTERS.items():
         if isinstance(model, cls): return adapter(model, device)
     if callable(model): return model

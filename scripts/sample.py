@@ -3,10 +3,14 @@
 from __future__ import annotations
 import json
 from pathlib import Path
+import torch
 from accelerate import Accelerator
-from fastcore.script import call_parse
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+from imagegen.ar.task import GPT_FILE, TextToImageGPT
+from imagegen.config import ConfigError, run_script
 from imagegen.diffusion.ldm import LatentDiffusion
-from imagegen.grids import save_grid
+from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
 from imagegen.shapes import ShapesDataset, prompt as scene_prompt
 
@@ -22,7 +26,7 @@ def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:s
         if not p.exists(): raise FileNotFoundError(f"--prompt_file {p} does not exist.")
         ps = [l.strip() for l in p.read_text().splitlines() if l.strip()]
     elif prompts: ps = [x.strip() for x in prompts.split('|')]
-    else: raise ValueError("Give --prompts 'a|b', --prompt_file FILE or --shapes_split test.")
+    else: raise ConfigError("Give --prompts 'a|b', --prompt_file FILE or --shapes_split test.")
     return ps, [None] * len(ps)
 
 def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:Path|str, meta:dict) -> Path:
@@ -35,33 +39,70 @@ def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:P
     save_grid(images[:64], out/'grid.png', captions=prompts[:64], ncols=8, min_cell=128)
     return out
 
-@call_parse
-def main(model:str='runs/main/ldm/model', # trained LatentDiffusion folder (the `model/` of a train_ldm.py run)
+def load_model(path:str|Path) -> tuple[str, object]:
+    "The model saved in `path` and its family: ('ldm', LatentDiffusion) or ('gpt', TextToImageGPT)."
+    p = Path(path)
+    if (p/GPT_FILE).exists(): return 'gpt', TextToImageGPT.from_pretrained(p)
+    if (p/'unet').is_dir(): return 'ldm', LatentDiffusion.from_pretrained(p)
+    raise FileNotFoundError(f"--model {p} holds neither a latent diffusion model (unet/) nor a latent GPT ({GPT_FILE}): "
+                            "pass the model/ folder of a train_ldm.py or train_gpt.py run.")
+
+def gpt_images(acc:Accelerator, t2i:TextToImageGPT, prompts:list[str], seeds:list[int], batch_size:int=64, progress:bool=True,
+               **kwargs) -> list:
+    "`t2i.generate` with prompts split across ranks, one generator per image (seed), gathered in prompt order on every rank."
+    items = list(enumerate(zip(prompts, seeds)))
+    local = []
+    with acc.split_between_processes(items) as mine:
+        for i in tqdm(range(0, len(mine), batch_size), desc='sampling', disable=not progress):
+            chunk = mine[i:i + batch_size]
+            gens = [torch.Generator(acc.device).manual_seed(s) for _, (_, s) in chunk]
+            ims = to_pil(t2i.generate([p for _, (p, _) in chunk], generator=gens, **kwargs), value_range=(-1, 1))
+            local += list(zip([j for j, _ in chunk], ims))
+    return [im for _, im in sorted(gather_object(local), key=lambda p: p[0])]
+
+def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py or train_gpt.py run)
          out:str='runs/samples', # output folder: NNNNNN.png, samples.jsonl, grid.png
          prompts:str=None, # prompts separated by '|'
          prompt_file:str=None, # text file with one prompt per line
          shapes_split:str=None, # use the prompts of this Shapes split instead ('test' holds unseen colour-shape pairs)
          shapes_level:int=1, # Shapes difficulty: 1 one object, 2 two objects with a relation
          n:int=64, # number of Shapes prompts
-         sampler:str='dpmpp_2m', # one of: ddpm ddim plms euler euler_a heun dpmpp_2m dpmpp_2m_karras unipc
-         steps:int=20, # sampling steps
-         guidance:float=4.0, # classifier-free guidance scale (1 = off)
-         negative_prompt:str=None, # replaces the empty unconditional prompt
-         eta:float=0.0, # DDIM eta (0 deterministic)
+         guidance:float=None, # classifier-free guidance scale (1 = off; default: 4 for diffusion, the model's own for a GPT)
          seed:int=0, # image i uses seed + i
          batch_size:int=64, # images per forward pass (per process)
+         sampler:str='dpmpp_2m', # diffusion: one of ddpm ddim plms euler euler_a heun dpmpp_2m dpmpp_2m_karras unipc
+         steps:int=20, # diffusion: sampling steps
+         negative_prompt:str=None, # diffusion: replaces the empty unconditional prompt
+         eta:float=0.0, # diffusion: DDIM eta (0 deterministic)
+         temperature:float=None, # GPT: sampling temperature (default: the model's)
+         top_k:int=None, # GPT: keep the k most likely tokens (default: the model's)
+         top_p:float=None, # GPT: nucleus sampling threshold (default: the model's)
         ):
     "Sample images for prompts from a trained model; on several processes the prompts are split and gathered in order."
-    if sampler not in SAMPLERS: raise ValueError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
     acc = Accelerator()
-    ldm = LatentDiffusion.from_pretrained(model).to(acc.device)
+    family, m = load_model(model)
+    m = m.to(acc.device)
     ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed)
     seeds = [seed + i for i in range(len(ps))]
-    images = sample_distributed(acc, ldm.unet, make_scheduler(sampler, ldm.scheduler), ldm.text_encoder, ps, seeds,
-                                negative_prompt=negative_prompt, autoencoder=ldm.autoencoder, guidance_scale=guidance, steps=steps, eta=eta,
-                                batch_size=batch_size, progress=acc.is_main_process)
+    if family == 'ldm':
+        if sampler not in SAMPLERS: raise ConfigError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
+        if any(v is not None for v in (temperature, top_k, top_p)): raise ConfigError("--temperature, --top_k and --top_p apply to latent GPT models, not to diffusion.")
+        guidance = 4.0 if guidance is None else guidance
+        images = sample_distributed(acc, m.unet, make_scheduler(sampler, m.scheduler), m.text_encoder, ps, seeds,
+                                    negative_prompt=negative_prompt, autoencoder=m.autoencoder, guidance_scale=guidance, steps=steps, eta=eta,
+                                    batch_size=batch_size, progress=acc.is_main_process)
+        meta = dict(family='ldm', sampler=sampler, steps=steps, guidance=guidance)
+    else:
+        if negative_prompt: raise ConfigError("--negative_prompt: a latent GPT's unconditional stream is its learned null text; it takes no negative prompt.")
+        c = m.config
+        kw = dict(guidance_scale=c.guidance_scale if guidance is None else guidance, temperature=c.temperature if temperature is None else temperature,
+                  top_k=c.top_k if top_k is None else top_k, top_p=c.top_p if top_p is None else top_p)
+        images = gpt_images(acc, m, ps, seeds, batch_size, progress=acc.is_main_process, **kw)
+        meta = dict(family='gpt', guidance=kw['guidance_scale'], temperature=kw['temperature'], top_k=kw['top_k'], top_p=kw['top_p'])
     if acc.is_main_process:
-        write_samples(images, ps, scenes, seeds, out, dict(sampler=sampler, steps=steps, guidance=guidance, model=str(model)))
+        write_samples(images, ps, scenes, seeds, out, meta | {'model': str(model)})
         print(f"{len(images)} images, samples.jsonl and grid.png in {out}")
     acc.wait_for_everyone()
     return images
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='sample.py')   # run as a script (a notebook has no __file__)
