@@ -169,7 +169,7 @@ def rows_and_images(folder):
 
 
 def script_main(name):
-    "`main` of scripts/<name>.py imported into this process (call it with keyword arguments)."
+    "`main` of scripts/<name>.py imported into this process."
     import importlib.util
     spec = importlib.util.spec_from_file_location(f'{name}_script', ROOT/'scripts'/f'{name}.py')
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
@@ -199,9 +199,9 @@ def test_sample_two_ranks_matches_one_and_evaluates_all(ldm2, tmp_path, monkeypa
     # evaluation of the gathered folder covers every rank's images; under a launch only rank 0 does it
     evaluate = script_main('evaluate')
     monkeypatch.setenv('RANK', '1')
-    assert evaluate(samples=str(tmp_path/'two')) is None and not (tmp_path/'two'/'metrics.json').exists()
+    assert evaluate(['--samples', str(tmp_path/'two')]) is None and not (tmp_path/'two'/'metrics.json').exists()
     monkeypatch.setenv('RANK', '0')
-    evaluate(samples=str(tmp_path/'two'), feature='random')
+    evaluate(['--samples', str(tmp_path/'two'), '--feature', 'random'])
     m = json.loads((tmp_path/'two'/'metrics.json').read_text())
     assert m['n_images'] == m['oracle/n'] == 5 and m['n_real'] == m['n_fake'] == 5
     ref = ShapesOracle().report([Image.open(tmp_path/'one'/r['file_name']).convert('RGB') for r in rows1], [r['scene'] for r in rows1])
