@@ -6,7 +6,7 @@ from imagegen.config import parse_run, run_cli
 from imagegen.data import DATA_FLAGS, DataConfig
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig, train
 
-DEFAULTS = dict(train=TrainConfig(output_dir='runs/vqvae', lr=2e-3, lr_scheduler='cosine', warmup_steps=50, max_steps=2000, batch_size=32,
+DEFAULTS = dict(train=TrainConfig(output_dir='runs/vqvae', lr=1e-3, lr_scheduler='cosine', warmup_steps=50, max_steps=2000, batch_size=32,
                                   sample_every=250, n_samples=8, experiment='vqvae-training', tags={'model': 'vqvae'}),
                 model=VQConfig(), data=DataConfig())
 FLAGS = TRAIN_FLAGS + DATA_FLAGS
