@@ -9,7 +9,7 @@ from diffusers.optimization import get_scheduler
 from imagegen.autoencoders.vq import VQConfig, VQVAETask
 from imagegen.data import CaptionCollator, make_dataset
 
-def run_vq(cfg:VQConfig, steps:int=300, batch_size:int=32, every:int=50, lr:float=2e-3, seed:int=0, dataset:str='shapes') -> list[dict]:
+def run_vq(cfg:VQConfig, steps:int=300, batch_size:int=32, every:int=50, lr:float=1e-3, seed:int=0, dataset:str='shapes') -> list[dict]:
     "Train a `VQVAETask` for `steps` AdamW steps (cosine schedule); a row of metrics every `every` steps."
     task = VQVAETask.from_config(cfg, seed=seed)
     ds = make_dataset(dataset, cfg.resolution)
@@ -53,7 +53,7 @@ def table(runs:dict[str, list[dict]], codebook_size:int) -> str:
 def main(steps:int=300, # optimizer steps per run
          batch_size:int=32, # images per batch
          every:int=50, # steps between table rows
-         lr:float=2e-3, # peak learning rate (cosine schedule)
+         lr:float=1e-3, # peak learning rate (cosine schedule)
          seed:int=0, # weights, data order and random numbers, shared by both runs
          dataset:str='shapes', # any imagegen.data source ('shapes', an image folder, ...)
          preset:str='tiny', # VQConfig preset

@@ -1,7 +1,7 @@
 """VQ-VAE first stage: dead-code restart, both VQ sources behind VQTokenizer (ours after save/load, a diffusers VQModel
 folder incl. a pipeline subfolder, remap and sane_index_shape), clear errors, float32 quantiser under autocast, resume,
 2-rank training with identical replicas and codebooks, and the train_vqvae.py CLI."""
-import json, subprocess, sys, textwrap
+import json, os, signal, subprocess, sys, textwrap
 from pathlib import Path
 import numpy as np, pytest, torch
 import torch.nn.functional as F
@@ -252,9 +252,14 @@ LAUNCH = textwrap.dedent('''
 def test_two_ranks_identical_replicas_and_codebooks(tmp_path):
     script = tmp_path/'launch.py'
     script.write_text(LAUNCH.format(tests=str(ROOT/'tests'), out=str(tmp_path)))
-    try: p = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired: pytest.fail("2-rank VQ-VAE training hung (no result in 180 s)")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # its own process group, so a hang takes both ranks down with the launcher instead of leaving them spinning
+    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try: out, err = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL); p.communicate()
+        pytest.fail("2-rank VQ-VAE training hung (no result in 180 s)")
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
     r0, r1 = (torch.load(tmp_path/f'rank{i}.pt') for i in (0, 1))
     assert sum(r0['restarted']) > 0 and r0['restarted'] == r1['restarted'], "restarts happened, the same on both ranks"
     for k, v in r0['state'].items():

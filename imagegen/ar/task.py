@@ -44,6 +44,7 @@ class GPTConfig(Config):
     n_head:int = 4                       # attention heads
     pos_embedding:str = '2d'             # '2d' (row + column) or 'learned' (one per position)
     dropout:float = 0.0
+    token_noise:float = 0.0              # training: share of input tokens replaced by random codes (targets stay clean)
     guidance_scale:float = 3.0           # default CFG scale for samples (1 = off)
     temperature:float = 1.0              # default sampling temperature
     top_k:int|None = None                # default top-k (None: off)
@@ -65,6 +66,7 @@ class GPTConfig(Config):
         if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}.")
         if self.pos_embedding not in ('2d', 'learned'): bad('pos_embedding', "use '2d' or 'learned'.")
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
+        if not 0 <= self.token_noise < 1: bad('token_noise', "must be in [0, 1).")
         if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0): bad('guidance_scale', "must be >= 0 (1 = no guidance).")
         if not (math.isfinite(self.temperature) and self.temperature > 0): bad('temperature', "must be > 0.")
         if self.top_k is not None and self.top_k < 1: bad('top_k', "must be >= 1, or None for no top-k.")
@@ -157,8 +159,11 @@ def loss(self:TextToImageGPT, model:nn.Module, batch:dict) -> dict:
     tokens = tokens.long().flatten(1)                                                       # (B, N)
     captions = list(batch['caption'])
     cond = torch.tensor([bool(c) for c in captions], device=dev)                           # False: dropped caption -> null text
-    if self.text_encoder.trainable: logits = model(tokens, self.text_encoder.tokenize(captions), cond)
-    else: logits = model(tokens, encoder_hidden_states=self.text_encoder.encode(captions), cond_mask=cond).logits
+    inputs, p = tokens, (self.config.token_noise if self.config else 0.0)
+    if p > 0 and model.training:                                                            # corrupt what is read, not what is predicted
+        inputs = torch.where(torch.rand(tokens.shape, device=dev) < p, torch.randint_like(tokens, self.tokenizer.vocab_size), tokens)
+    if self.text_encoder.trainable: logits = model(inputs, self.text_encoder.tokenize(captions), cond)
+    else: logits = model(inputs, encoder_hidden_states=self.text_encoder.encode(captions), cond_mask=cond).logits
     ce = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
     with torch.no_grad(): acc = (logits.argmax(-1) == tokens).float().mean()
     return {'loss': ce, 'ce_loss': ce.detach(), 'perplexity': ce.detach().exp(), 'token_accuracy': acc}
