@@ -8,7 +8,8 @@ import argparse
 from fastcore.script import str2bool
 from imagegen.config import run_cli
 from imagegen.autoencoders.kl import ImageAutoencoder
-from imagegen.metrics import evaluate_images, first_stage_report, write_metrics_json
+import torch
+from imagegen.metrics import evaluate_images, first_stage_report, to_unit_batch, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
 
 def read_samples(folder:Path|str) -> list[dict]:
@@ -49,6 +50,15 @@ def load_first_stage(path:Path|str):
         return VQTokenizer.from_pretrained(p)
     ae = ImageAutoencoder.from_pretrained(p)
     return None if ae.is_pixel else ae
+
+def codebook_report(tokenizer, images, batch_size:int=64) -> dict:
+    "How much of a VQ model's codebook the tokens of `images` use: share of codes used and the perplexity of their histogram."
+    x = to_unit_batch(images) * 2 - 1
+    with torch.no_grad(): ids = torch.cat([tokenizer.encode(x[i:i + batch_size]).flatten() for i in range(0, len(x), batch_size)])
+    p = torch.bincount(ids.cpu(), minlength=tokenizer.vocab_size).float() / ids.numel()
+    nz = p[p > 0]
+    return {'first_stage/codebook_usage': (p > 0).float().mean().item(), 'first_stage/codebook_perplexity': (-(nz * nz.log()).sum()).exp().item(),
+            'first_stage/codebook_size': tokenizer.vocab_size, 'first_stage/tokens': ids.numel()}
 
 def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=None) -> str|None:
     "Log numeric `metrics` as `eval/<name>` into the tracker run that trained `model_dir`; returns where, or None."
@@ -101,10 +111,14 @@ def main(argv:list[str]|None=None) -> dict|None:
     if ae is not None:
         truth = refs if a.real == 'scenes' else real_images(rows, 'scenes')
         m.update(first_stage_report(ae, truth, scenes, ShapesOracle()))
+        if hasattr(ae, 'vocab_size'): m.update(codebook_report(ae, truth))        # a VQ model: codes the true images use
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
     if 'first_stage/color_and_shape' in m:
         print(f"first-stage ceiling (oracle on {stage_dir.name} reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
+    if 'first_stage/codebook_usage' in m:
+        print(f"codebook usage on the true images: {m['first_stage/codebook_usage']:.3f} of {m['first_stage/codebook_size']} codes "
+              f"(perplexity {m['first_stage/codebook_perplexity']:.1f}, {m['first_stage/tokens']} tokens)")
     if 'fid' in m: print(f"FID {m['fid']:.2f}  KID {m['kid_mean']:.4f} ({m['fid_features']})")
     print(f"metrics written to {path}")
     where = log_to_training_run(m, rows[0].get('model'), Path(a.samples)/'grid.png') if a.log_to_run else None
