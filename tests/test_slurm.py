@@ -238,6 +238,20 @@ def test_train_one_node_two_processes(cluster, shapes, tmp_path):
     assert (out/'model'/'model_index.json').exists()
     assert not job_processes(job)
 
+def test_two_one_node_jobs_share_a_host(cluster, shapes, tmp_path):
+    "n1 and n2 are one machine here, as two jobs on one GPU node are: each job's rendezvous must use its own port."
+    jobs = {}
+    for node in ('n1', 'n2'):
+        out, log = tmp_path/node/'run', tmp_path/node/'train.out'
+        (tmp_path/node).mkdir()
+        jobs[node] = (train(cluster, out, shapes, log, f'--nodelist={node}', '--cpus-per-task=2', steps=30,
+                            env={'SBATCH_GRES': 'gpu:2'}), out, log)
+    for node, (job, out, log) in jobs.items():
+        j = cluster.wait(job, timeout=240)
+        assert j['JobState'] == 'COMPLETED' and j['ExitCode'] == '0:0', read(log)[-4000:]
+        assert 'address already in use' not in read(log).lower()
+        assert trainer_state(out, 30)['num_processes'] == 2
+
 def test_train_two_nodes_c10d(cluster, shapes, tmp_path):
     out, log = tmp_path/'run', tmp_path/'train.out'
     job = train(cluster, out, shapes, log, '--nodes=2', '--cpus-per-task=2', env={'SBATCH_GRES': 'gpu:1', 'LOGLEVEL': 'INFO'})

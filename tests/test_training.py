@@ -258,6 +258,47 @@ def test_two_ranks_identical_params_and_resume_with_one(tmp_path):
     assert res['resumed_from'].endswith('step_00000004') and res['step'] == 6
 
 
+def _two_rank_late_signal(out):
+    "Rank 0's stop flag is set just after an update's all-reduce, the moment a signal handler can fire there."
+    task = Regression()
+    trainer = Trainer(task, data(n=48), cfg(out, max_steps=10))
+    rank = trainer.acc.process_index   # after the Trainer: its Accelerator sets up the process group
+    update = trainer._update
+    def late_signal(*a, **kw):
+        logs = update(*a, **kw)
+        if rank == 0 and trainer.step == 3: trainer._stop_signal = int(signal.SIGUSR1)
+        return logs
+    trainer._update = late_signal
+    try: trainer.fit(); stopped = None
+    except Preempted as e: stopped = e.step
+    torch.save({'stopped': stopped, 'params': params(task.trainable)}, Path(out)/f'stop{rank}.pt')
+
+
+LAUNCH_LATE_SIGNAL = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_training import _two_rank_late_signal
+    from accelerate import debug_launcher
+    debug_launcher(_two_rank_late_signal, args=({out!r},), num_processes=2)
+''')
+
+
+def test_two_ranks_stop_after_the_same_update_whenever_the_signal_lands(tmp_path):
+    script = tmp_path/'launch.py'
+    script.write_text(LAUNCH_LATE_SIGNAL.format(tests=str(ROOT/'tests'), out=str(tmp_path)))
+    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try: out, err = p.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL); p.communicate()
+        pytest.fail("the ranks hung after a stop signal reached one of them between an all-reduce and the stop check")
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    r0, r1 = (torch.load(tmp_path/f'stop{i}.pt') for i in (0, 1))
+    assert r0['stopped'] == r1['stopped'] == 4, (r0['stopped'], r1['stopped'])   # the flag went through step 4's all-reduce
+    torch.testing.assert_close(r0['params'], r1['params'], rtol=0, atol=0)
+    assert latest_checkpoint(tmp_path/'checkpoints').name == 'step_00000004'
+
+
 def test_mlflow_run_resumed_after_stop_is_the_same_run(tmp_path):
     "Stop at step 7, resume: one MLflow run (the id kept in tracker.json), whose loss curve covers steps 1..14 once."
     mlflow = pytest.importorskip('mlflow')

@@ -207,7 +207,7 @@ class Trainer:
         self.ckpt_dir = self.out/'checkpoints'
         self.step = self.epoch = self.batch_in_epoch = self.bad_total = self.bad_run = self.bad_samples = self._skipped = 0
         self.epoch_metrics, self.epoch_sums, self.history = [], {}, []
-        self.run_name, self._stop_signal, self.ema = cfg.run_name, 0, None
+        self.run_name, self._stop_signal, self._stopping, self.ema = cfg.run_name, 0, False, None
         if cfg.validation_prompts:
             if not hasattr(task, 'sample_prompts'): raise ConfigError(f"TrainConfig.validation_prompts given but {type(task).__name__} samples without prompts.")
             task.sample_prompts = list(cfg.validation_prompts)
@@ -449,7 +449,9 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     self.opt.zero_grad(set_to_none=True)
     self.sched.step()
     self.step += 1
-    if vals[-2] > 0 and not self._stop_signal: self._stop_signal = int(signal.SIGTERM)  # another rank was signalled
+    if vals[-2] > 0:   # every rank stops after this same update, whichever rank was signalled and whenever
+        self._stopping = True
+        if not self._stop_signal: self._stop_signal = int(signal.SIGTERM)  # another rank was signalled
     return logs
 
 @patch
@@ -500,7 +502,7 @@ def _run_epoch(self:Trainer, bar):
                 logs = self._update(sums, n_micro, keys)
                 sums, n_micro = None, 0
                 self._after_update(logs, bar)
-        if acc.sync_gradients and (self.step >= self.max_steps or self._stop_signal): return
+        if acc.sync_gradients and (self.step >= self.max_steps or self._stopping): return
     if not seen and not self.batch_in_epoch:   # an empty pass would loop forever without a step
         raise ConfigError(f"the data gave no batch in epoch {self.epoch}: fewer samples than one batch per rank "
                           f"(batch_size={cfg.batch_size}, {acc.num_processes} rank(s), incomplete batches dropped). "
@@ -562,8 +564,8 @@ def _restore_signals(self:Trainer):
 
 @patch
 def request_stop(self:Trainer, signum:int=signal.SIGUSR1):
-    "Ask the loop to checkpoint and stop at the next update boundary, as a stop signal would."
-    self._stop_signal = int(signum)
+    "Checkpoint and stop after the current update, as a stop signal would; call it on every rank at the same point (a callback does)."
+    self._stop_signal, self._stopping = int(signum), True
 
 @patch
 def save_model(self:Trainer, path:str|Path|None=None) -> Path:
@@ -652,8 +654,8 @@ def _fit(self:Trainer) -> dict:
     bar = tqdm(total=self.max_steps, initial=self.step, disable=not acc.is_main_process, desc=self.run_name, dynamic_ncols=True)
     try:
         self.model.train()
-        while self.step < self.max_steps and not self._stop_signal: self._run_epoch(bar)
-        if self._stop_signal:
+        while self.step < self.max_steps and not self._stopping: self._run_epoch(bar)
+        if self._stopping:
             e = Preempted(self.step, self._checkpoint(), self._stop_signal)
             if acc.is_main_process: print(f"\n{e}; exiting with code {EXIT_PREEMPTED} (resume with resume='latest')", file=sys.stderr, flush=True)
             raise e
