@@ -109,7 +109,7 @@ class TextToImageGPT:
     @property
     def token_grid(self) -> tuple[int, int]: return tuple(self.gpt.config.token_grid)
 
-    # Copied from imagegen.diffusion.ldm.LatentDiffusion.configure_optimizer (a family never imports another family)
+    # Copied from LatentDiffusion.configure_optimizer (nbs/04b_ldm; a family never imports another family)
     def configure_optimizer(self, model:nn.Module, cfg) -> torch.optim.Optimizer:
         "The loop's hook: AdamW without decay on biases/norms/embeddings; a trained text encoder gets `config.text_encoder_lr` when set."
         lr = self.config.text_encoder_lr if self.config else None
