@@ -1,4 +1,4 @@
-import os, subprocess, sys
+import os, signal, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -17,12 +17,18 @@ def run(cmd, cwd=ROOT, env=None, timeout=600, check=True):
 @pytest.fixture
 def root(): return ROOT
 
-def two_ranks(test_file:str, worker:str, out):
+def two_ranks(test_file:str, worker:str, out, timeout:float=600):
     """Run `worker(out)` from `test_file` on 2 gloo CPU ranks via accelerate's debug_launcher, in a fresh interpreter:
-    forking the pytest process after torch ran multithreaded ops deadlocks the children."""
+    forking the pytest process after torch ran multithreaded ops deadlocks the children. The launcher gets its own
+    process group, so a hang (no result in `timeout` s) takes both ranks down with it and fails the test."""
     code = (f"import sys; sys.path.insert(0, {str(Path(test_file).parent)!r}); import {Path(test_file).stem} as t; "
             f"from accelerate import debug_launcher; debug_launcher(lambda: t.{worker}({str(out)!r}), num_processes=2)")
-    subprocess.run([sys.executable, '-c', code], check=True, timeout=600)
+    p = subprocess.Popen([sys.executable, '-c', code], start_new_session=True)
+    try: rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL); p.wait()
+        pytest.fail(f"{worker} on 2 ranks hung: no result in {timeout} s")
+    assert rc == 0, f"{worker} on 2 ranks exited with {rc} (its output is above)"
 
 def free_port() -> int:
     "A TCP port nobody listens on now (for a launcher's rendezvous; tests run beside other launches)."

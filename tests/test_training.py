@@ -6,6 +6,7 @@ import numpy as np, pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import two_ranks
 from imagegen.config import ConfigError
 from imagegen.training.checkpoints import EXIT_PREEMPTED, Preempted, latest_checkpoint, list_checkpoints, save_checkpoint
 from imagegen.training.loop import NonFiniteLossError, TrainConfig, Trainer, make_accelerator, train
@@ -274,25 +275,8 @@ def _two_rank_late_signal(out):
     torch.save({'stopped': stopped, 'params': params(task.trainable)}, Path(out)/f'stop{rank}.pt')
 
 
-LAUNCH_LATE_SIGNAL = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, {tests!r})
-    from test_training import _two_rank_late_signal
-    from accelerate import debug_launcher
-    debug_launcher(_two_rank_late_signal, args=({out!r},), num_processes=2)
-''')
-
-
 def test_two_ranks_stop_after_the_same_update_whenever_the_signal_lands(tmp_path):
-    script = tmp_path/'launch.py'
-    script.write_text(LAUNCH_LATE_SIGNAL.format(tests=str(ROOT/'tests'), out=str(tmp_path)))
-    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try: out, err = p.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL); p.communicate()
-        pytest.fail("the ranks hung after a stop signal reached one of them between an all-reduce and the stop check")
-    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    two_ranks(__file__, '_two_rank_late_signal', tmp_path, timeout=150)   # the previous loop hung here
     r0, r1 = (torch.load(tmp_path/f'stop{i}.pt') for i in (0, 1))
     assert r0['stopped'] == r1['stopped'] == 4, (r0['stopped'], r1['stopped'])   # the flag went through step 4's all-reduce
     torch.testing.assert_close(r0['params'], r1['params'], rtol=0, atol=0)

@@ -1,13 +1,13 @@
 """VQ-VAE first stage: dead-code restart, both VQ sources behind VQTokenizer (ours after save/load, a diffusers VQModel
 folder incl. a pipeline subfolder, remap and sane_index_shape), clear errors, float32 quantiser under autocast, resume,
 2-rank training with identical replicas and codebooks, and the train_vqvae.py CLI."""
-import json, os, signal, subprocess, sys, textwrap
+import json, sys
 from pathlib import Path
 import numpy as np, pytest, torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, VQModel
 from diffusers.models.autoencoders.vae import VectorQuantizer
-from conftest import ROOT, run
+from conftest import ROOT, run, two_ranks
 from imagegen.autoencoders.kl import tiny_vae_config
 from imagegen.autoencoders.vq import EMAQuantizer, VQConfig, VQTokenizer, VQVAETask, vq_model_config
 from imagegen.training.loop import Preempted, TrainConfig, Trainer, train
@@ -240,26 +240,8 @@ def _two_rank_vq(out):
                Path(out)/f'rank{PartialState().process_index}.pt')
 
 
-LAUNCH = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, {tests!r})
-    from test_vq import _two_rank_vq
-    from accelerate import debug_launcher
-    debug_launcher(lambda: _two_rank_vq({out!r}), num_processes=2)
-''')
-
-
 def test_two_ranks_identical_replicas_and_codebooks(tmp_path):
-    script = tmp_path/'launch.py'
-    script.write_text(LAUNCH.format(tests=str(ROOT/'tests'), out=str(tmp_path)))
-    # its own process group, so a hang takes both ranks down with the launcher instead of leaving them spinning
-    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try: out, err = p.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL); p.communicate()
-        pytest.fail("2-rank VQ-VAE training hung (no result in 180 s)")
-    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    two_ranks(__file__, '_two_rank_vq', tmp_path, timeout=180)
     r0, r1 = (torch.load(tmp_path/f'rank{i}.pt') for i in (0, 1))
     assert sum(r0['restarted']) > 0 and r0['restarted'] == r1['restarted'], "restarts happened, the same on both ranks"
     for k, v in r0['state'].items():
