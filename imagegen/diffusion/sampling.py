@@ -105,13 +105,17 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
     if latents is None: latents = randn_tensor((len(cond), *shape), generator=generator, device=dev, dtype=dtype)
     latents = latents.to(dev, dtype) * scheduler.init_noise_sigma
     kw = _step_kwargs(scheduler, generator, eta)
-    ts = scheduler.timesteps
+    ts, c = scheduler.timesteps, latents.shape[1]
+    learned = scheduler.config.get('variance_type') in ('learned', 'learned_range')
     for i, t in enumerate(tqdm(ts, desc=desc, disable=not progress, leave=False)):
         x = scheduler.scale_model_input(torch.cat([latents] * 2) if cfg else latents, t)
         eps = unet(x, t, encoder_hidden_states=emb, return_dict=False)[0]
+        eps, var = eps.split(c, dim=1) if eps.shape[1] == 2 * c else (eps, None)  # learned variance: (noise, variance) halves
         if cfg:
             eps_u, eps_c = eps.chunk(2)
             eps = eps_u + guidance_scale * (eps_c - eps_u)
+            if var is not None: var = var.chunk(2)[1]
+        if var is not None and learned: eps = torch.cat([eps, var], dim=1)
         latents = scheduler.step(eps, t, latents, **kw, return_dict=False)[0]
         if callback is not None: callback(i + 1, len(ts), latents)
     return latents
