@@ -126,13 +126,16 @@ def build_scheduler(cfg:LDMConfig) -> DDPMScheduler:
 
 # %% ../../nbs/04b_ldm.ipynb #f7ee8828
 class UNetWithTextEncoder(nn.Module):
-    "UNet and trainable text model as one module: `forward(noisy, t, input_ids) -> prediction`."
+    "UNet and trainable text model as one module: `forward(noisy, t, input_ids, **unet_kwargs) -> prediction`."
     def __init__(self, unet:UNet2DConditionModel, text_model:nn.Module):
         super().__init__()
         self.unet, self.text_model = unet, text_model
-    def forward(self, noisy, timesteps, input_ids):
+    def forward(self, noisy, timesteps, input_ids, **unet_kwargs):
         emb = self.text_model(input_ids).last_hidden_state
-        return self.unet(noisy, timesteps, encoder_hidden_states=emb).sample
+        return self.unet(noisy, timesteps, encoder_hidden_states=emb, **unet_kwargs).sample
+    def enable_gradient_checkpointing(self):
+        "Recompute activations in backward, in the UNet and in the text model (the loop's `gradient_checkpointing`)."
+        self.unet.enable_gradient_checkpointing(); self.text_model.gradient_checkpointing_enable()
 
 # %% ../../nbs/04b_ldm.ipynb #8bb10346
 class LatentDiffusion:

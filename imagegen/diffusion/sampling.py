@@ -58,6 +58,8 @@ def make_scheduler(name:str, train_schedule, **overrides):
     if name not in SAMPLERS: raise ValueError(f"Unknown sampler {name!r}: choose one of {', '.join(SAMPLERS)}.")
     cls, opts = SAMPLERS[name]
     cfg = getattr(train_schedule, 'config', train_schedule)
+    if 'variance_type' in cfg and 'variance_type' not in inspect.signature(cls.__init__).parameters:
+        cfg = {**cfg, 'variance_type': None}     # the key outlives from_config; say this sampler models no variance (IF pipelines read it)
     return cls.from_config(cfg, **{**opts, **overrides})
 
 # %% ../../nbs/04a_sampling.ipynb #b24866c3
@@ -94,7 +96,8 @@ def _step_kwargs(scheduler, generator, eta:float) -> dict:
 @torch.no_grad()
 def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=None, *, guidance_scale:float=7.5,
                    steps:int=50, shape:tuple|None=None, generator=None, latents:torch.Tensor|None=None, eta:float=0.0,
-                   progress:bool=True, callback:Callable|None=None, desc:str='sampling') -> torch.Tensor:
+                   progress:bool=True, callback:Callable|None=None, desc:str='sampling', concat:torch.Tensor|None=None,
+                   class_labels:torch.Tensor|None=None) -> torch.Tensor:
     "Denoise one batch from noise under text embeddings `cond` (and `uncond` for guidance); returns final latents."
     dev, dtype = unet.device, unet.dtype
     cfg = guidance_scale != 1.0
@@ -102,14 +105,20 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
     emb = torch.cat([uncond, cond]) if cfg else cond
     emb = emb.to(dev, dtype)
     scheduler.set_timesteps(steps, device=dev)
+    if hasattr(scheduler, 'set_begin_index'): scheduler.set_begin_index(0)  # count steps, never look t up: Karras spacing can repeat a timestep
     if latents is None: latents = randn_tensor((len(cond), *shape), generator=generator, device=dev, dtype=dtype)
     latents = latents.to(dev, dtype) * scheduler.init_noise_sigma
     kw = _step_kwargs(scheduler, generator, eta)
     ts, c = scheduler.timesteps, latents.shape[1]
-    learned = scheduler.config.get('variance_type') in ('learned', 'learned_range')
+    learned = ('variance_type' in inspect.signature(type(scheduler).__init__).parameters    # DDPM (and DPM-Solver) read a variance half;
+               and scheduler.config.variance_type in ('learned', 'learned_range'))          # a config key alone is not enough
+    twice = lambda v: torch.cat([v] * 2) if cfg else v
+    if concat is not None: concat = twice(concat.to(dev, dtype))
+    extra = {} if class_labels is None else {'class_labels': twice(class_labels.to(dev))}
     for i, t in enumerate(tqdm(ts, desc=desc, disable=not progress, leave=False)):
-        x = scheduler.scale_model_input(torch.cat([latents] * 2) if cfg else latents, t)
-        eps = unet(x, t, encoder_hidden_states=emb, return_dict=False)[0]
+        x = scheduler.scale_model_input(twice(latents), t)
+        if concat is not None: x = torch.cat([x, concat], dim=1)               # the condition is never scaled
+        eps = unet(x, t, encoder_hidden_states=emb, return_dict=False, **extra)[0]
         eps, var = eps.split(c, dim=1) if eps.shape[1] == 2 * c else (eps, None)  # learned variance: (noise, variance) halves
         if cfg:
             eps_u, eps_c = eps.chunk(2)
