@@ -4,23 +4,32 @@ from __future__ import annotations
 from imagegen.config import Flag, parse_run, run_cli
 from imagegen.data import DATA_FLAGS, DataConfig, collect_captions, is_shapes, shapes_prompts
 from imagegen.diffusion.glide import GlideConfig, GlideDiffusion
+from imagegen.diffusion.upsampler import GlideUpsampler, UpsamplerConfig
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
-STAGES = ('base',)
+STAGES = {'base': GlideDiffusion, 'upsample': GlideUpsampler}
 DEFAULTS = {'base': dict(train=TrainConfig(output_dir='runs/glide', lr=1e-4, max_steps=10000, batch_size=32, warmup_steps=100,
                                            ema=True, ema_decay=0.9999, n_samples=8, tags={'model': 'glide', 'stage': 'base'}),
-                         model=GlideConfig(), data=DataConfig())}
+                         model=GlideConfig(), data=DataConfig()),
+            'upsample': dict(train=TrainConfig(output_dir='runs/glide_upsampler', lr=1e-4, max_steps=10000, batch_size=8, warmup_steps=100,
+                                               ema=True, ema_decay=0.9999, n_samples=4, tags={'model': 'glide', 'stage': 'upsample'}),
+                             model=UpsamplerConfig(), data=DataConfig())}
 FLAGS = TRAIN_FLAGS + DATA_FLAGS + [Flag('--preset', 'model.preset'), Flag('--ema_rate', 'train.ema_decay'),
                                     Flag('--uncond_p', 'model.uncond_p'), Flag('--cache_dir', 'data.cache_dir')]
 
 def train_glide(tcfg:TrainConfig, cfg:GlideConfig, dcfg:DataConfig) -> GlideDiffusion:
-    "Train GLIDE's base model with the shared loop; the model goes to OUTPUT_DIR/model as an IFPipeline folder."
+    "Train a GLIDE stage with the shared loop: the base model (an IFPipeline folder) or, for an UpsamplerConfig, the upsampler (IF SR)."
     from imagegen.training.loop import make_accelerator, train
+    upsample = isinstance(cfg, UpsamplerConfig)
     acc = make_accelerator(tcfg)  # before the model: the ranks agree on the tiny tokenizer's corpus through it
-    dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution)
+    dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution)   # the upsampler trains on high-resolution images
     corpus = collect_captions(dl, seed=tcfg.seed) if cfg.tokenizer == 'tiny' and not cfg.pretrained_model_name_or_path else None
-    prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) else None  # --validation_prompts win (the loop sets them)
-    model = GlideDiffusion.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
+    prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) and not upsample else None  # --validation_prompts win (the loop sets them)
+    model = (GlideUpsampler if upsample else GlideDiffusion).from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
+    if upsample:  # progress grids: the first training images, degraded to the input resolution, with their captions
+        first = next(iter(dl))
+        model.sample_images = model.degrade(first['pixel_values'][:tcfg.n_samples])
+        model.sample_prompts = list(first['caption'][:tcfg.n_samples])
     train(model, dl, tcfg, accelerator=acc, sections={'data': dcfg})
     return model
 
@@ -33,7 +42,7 @@ def _stage(argv:list[str]|None) -> tuple[str, list[str]|None]:
     return ns.stage, rest
 
 def main(argv:list[str]|None=None) -> GlideDiffusion:
-    "Train GLIDE (--stage base: the 64 px text-to-image model, an IFPipeline folder); see --help."
+    "Train GLIDE (--stage base: the text-to-image model, an IFPipeline folder; --stage upsample: the upsampler, an IFSuperResolutionPipeline folder)."
     stage, rest = _stage(argv)
     run = parse_run(DEFAULTS[stage], FLAGS, rest, description=main.__doc__, prog='train_glide.py')
     return train_glide(run['train'], run['model'], run['data'])
