@@ -20,7 +20,8 @@ from .text import tiny_clip_tokenizer
 
 # %% auto #0
 __all__ = ['INCEPTION_NAME', 'to_unit_batch', 'RandomConvFeatures', 'image_features', 'fid_kid', 'CLIPFeatures', 'clip_model',
-           'tiny_clip', 'clip_score', 'evaluate_images', 'write_metrics_json', 'first_stage_report']
+           'tiny_clip', 'clip_score', 'clip_scores', 'oracle_scores', 'rerank', 'write_ranked', 'evaluate_images',
+           'write_metrics_json', 'first_stage_report']
 
 # %% ../nbs/07a_metrics.ipynb #befae44e
 def to_unit_batch(images) -> torch.Tensor:
@@ -133,6 +134,46 @@ def clip_score(images, prompts:Sequence[str], clip, device='cpu', batch_size:int
     metric = CLIPScore(model_name_or_path=clip_model(clip)).to(device)
     for k in range(0, len(x), batch_size): metric.update(x[k:k + batch_size].to(device), list(prompts[k:k + batch_size]))
     return float(metric.compute())
+
+# %% ../nbs/07a_metrics.ipynb #d2c487bd
+@torch.no_grad()
+def clip_scores(images, prompts:Sequence[str], clip, device='cpu', batch_size:int=64) -> torch.Tensor:
+    "Per-image CLIP similarity, 100 * cosine of the image and prompt embeddings (the score CLIP re-ranking sorts by)."
+    x = (to_unit_batch(images) * 255).round().to(torch.uint8)
+    if len(x) != len(prompts): raise ValueError(f"{len(x)} images but {len(prompts)} prompts: give one prompt per image.")
+    model, proc = clip_model(clip)()
+    model, out = model.to(device), []
+    for k in range(0, len(x), batch_size):
+        inp = proc(text=list(prompts[k:k + batch_size]), images=list(x[k:k + batch_size]), return_tensors='pt', padding=True, truncation=True)
+        img = F.normalize(model.get_image_features(pixel_values=inp['pixel_values'].to(device)), dim=-1)
+        txt = F.normalize(model.get_text_features(input_ids=inp['input_ids'].to(device), attention_mask=inp['attention_mask'].to(device)), dim=-1)
+        out.append(100 * (img * txt).sum(-1).cpu())
+    return torch.cat(out)
+
+def oracle_scores(images, scenes, oracle) -> torch.Tensor:
+    "The oracle's graded verdict per image: 1 + share of right attributes when all are right, else the share."
+    def one(r):
+        vals = [bool(v) for k, v in r.items() if k not in ('all', 'color_and_shape') and v is not None]
+        share = sum(vals) / max(len(vals), 1)
+        return (1.0 if r['all'] else 0.0) + share
+    return torch.tensor([one(oracle.score(im, sc)) for im, sc in zip(images, scenes, strict=True)])
+
+def rerank(scores, k:int=1) -> list[int]:
+    "Indices of the `k` best candidates by `scores`, best first (ties keep the candidates' order)."
+    s = torch.as_tensor(scores, dtype=torch.float64).flatten()
+    if not 1 <= k <= len(s): raise ValueError(f"keep k={k} of {len(s)} candidates: k must be between 1 and the number of candidates.")
+    return torch.sort(s, descending=True, stable=True).indices[:k].tolist()
+
+def write_ranked(out, images:list, scores, k:int=1, **meta) -> list[int]:
+    "Save the `k` best `images` as `rank_001.png`... and `metadata.json` (every candidate's score and rank, plus `meta`); returns their indices."
+    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    best, scores = rerank(scores, k), [float(v) for v in torch.as_tensor(scores).flatten()]
+    for r, i in enumerate(best, 1): images[i].save(out/f'rank_{r:03d}.png')
+    rank = {i: r for r, i in enumerate(best, 1)}
+    cands = [{'candidate': i, 'score': s, 'rank': rank.get(i), 'file_name': f'rank_{rank[i]:03d}.png' if i in rank else None}
+             for i, s in enumerate(scores)]
+    (out/'metadata.json').write_text(json.dumps({**meta, 'kept': k, 'candidates': cands}, indent=2) + '\n')
+    return best
 
 # %% ../nbs/07a_metrics.ipynb #434fe116
 def evaluate_images(images, prompts:Sequence[str], scenes=None, real_images=None, clip=None, oracle=None,

@@ -9,10 +9,13 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from imagegen.ar.task import GPT_FILE, TextToImageGPT
 from imagegen.config import ConfigError, run_script
+from imagegen.diffusion.glide import GLIDE_FILE, GlideDiffusion
 from imagegen.diffusion.ldm import LatentDiffusion
+from imagegen.diffusion.upsampler import GlideUpsampler
+from imagegen.metrics import clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
 from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
-from imagegen.shapes import ShapesDataset, prompt as scene_prompt
+from imagegen.shapes import ShapesDataset, ShapesOracle, prompt as scene_prompt
 
 def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:str|None=None, shapes_level:int=1,
                 n:int=64, seed:int=0) -> tuple[list[str], list[dict|None]]:
@@ -40,68 +43,115 @@ def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:P
     return out
 
 def load_model(path:str|Path) -> tuple[str, object]:
-    "The model saved in `path` and its family: ('ldm', LatentDiffusion) or ('gpt', TextToImageGPT)."
+    "The model saved in `path` and its family: ('ldm', LatentDiffusion), ('glide', GlideDiffusion) or ('gpt', TextToImageGPT)."
     p = Path(path)
     if (p/GPT_FILE).exists(): return 'gpt', TextToImageGPT.from_pretrained(p)
+    if (p/'image_noising_scheduler').is_dir():
+        raise ConfigError(f"--model {p} is a GLIDE upsampler: pass the base model as --model and this folder as --upsampler.")
+    if (p/GLIDE_FILE).exists(): return 'glide', GlideDiffusion.from_pretrained(p)
     if (p/'unet').is_dir(): return 'ldm', LatentDiffusion.from_pretrained(p)
-    raise FileNotFoundError(f"--model {p} holds neither a latent diffusion model (unet/) nor a latent GPT ({GPT_FILE}): "
-                            "pass the model/ folder of a train_ldm.py or train_gpt.py run.")
+    raise FileNotFoundError(f"--model {p} holds neither a diffusion model (unet/) nor a latent GPT ({GPT_FILE}): "
+                            "pass the model/ folder of a train_ldm.py, train_glide.py or train_gpt.py run.")
 
-def gpt_images(acc:Accelerator, t2i:TextToImageGPT, prompts:list[str], seeds:list[int], batch_size:int=64, progress:bool=True,
-               **kwargs) -> list:
-    "`t2i.generate` with prompts split across ranks, one generator per image (seed), gathered in prompt order on every rank."
+def images_distributed(acc:Accelerator, generate, prompts:list[str], seeds:list[int], batch_size:int=64, progress:bool=True,
+                       low_res_images:torch.Tensor|None=None, desc:str='sampling', **kwargs) -> list:
+    "`generate(prompts, generator=[...], **kwargs) -> images in [-1, 1]` with prompts split across ranks, one generator per image (seed), gathered in prompt order on every rank; `low_res_images` go along with their prompts."
     items = list(enumerate(zip(prompts, seeds)))
     local = []
     with acc.split_between_processes(items) as mine:
-        for i in tqdm(range(0, len(mine), batch_size), desc='sampling', disable=not progress):
+        for i in tqdm(range(0, len(mine), batch_size), desc=desc, disable=not progress):
             chunk = mine[i:i + batch_size]
             gens = [torch.Generator(acc.device).manual_seed(s) for _, (_, s) in chunk]
-            ims = to_pil(t2i.generate([p for _, (p, _) in chunk], generator=gens, **kwargs), value_range=(-1, 1))
+            extra = {} if low_res_images is None else {'low_res_images': low_res_images[[j for j, _ in chunk]]}
+            ims = to_pil(generate([p for _, (p, _) in chunk], generator=gens, **extra, **kwargs), value_range=(-1, 1))
             local += list(zip([j for j, _ in chunk], ims))
     return [im for _, im in sorted(gather_object(local), key=lambda p: p[0])]
 
-def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py or train_gpt.py run)
+def family_images(acc:Accelerator, family:str, m, ps:list[str], seeds:list[int], *, guidance, batch_size, sampler, steps,
+                  negative_prompt, eta, temperature, top_k, top_p) -> tuple[list, dict]:
+    "Images of one model for `ps` (one seed each) and the settings that made them."
+    if family in ('ldm', 'glide'):
+        sampler = sampler or ('ddpm' if family == 'glide' else 'dpmpp_2m')
+        if sampler not in SAMPLERS: raise ConfigError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
+        if any(v is not None for v in (temperature, top_k, top_p)): raise ConfigError("--temperature, --top_k and --top_p apply to latent GPT models, not to diffusion.")
+        guidance = (3.0 if family == 'glide' else 4.0) if guidance is None else guidance
+        images = sample_distributed(acc, m.unet, make_scheduler(sampler, m.scheduler), m.text_encoder, ps, seeds, negative_prompt=negative_prompt,
+                                    autoencoder=getattr(m, 'autoencoder', None), guidance_scale=guidance, steps=steps, eta=eta,
+                                    batch_size=batch_size, progress=acc.is_main_process)
+        return images, dict(family=family, sampler=sampler, steps=steps, guidance=guidance)
+    if negative_prompt: raise ConfigError("--negative_prompt: a latent GPT's unconditional stream is its learned null text; it takes no negative prompt.")
+    c = m.config
+    kw = dict(guidance_scale=c.guidance_scale if guidance is None else guidance, temperature=c.temperature if temperature is None else temperature,
+              top_k=c.top_k if top_k is None else top_k, top_p=c.top_p if top_p is None else top_p)
+    images = images_distributed(acc, m.generate, ps, seeds, batch_size, progress=acc.is_main_process, **kw)
+    return images, dict(family='gpt', guidance=kw['guidance_scale'], temperature=kw['temperature'], top_k=kw['top_k'], top_p=kw['top_p'])
+
+def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py, train_glide.py or train_gpt.py run)
          out:str='runs/samples', # output folder: NNNNNN.png, samples.jsonl, grid.png
          prompts:str=None, # prompts separated by '|'
          prompt_file:str=None, # text file with one prompt per line
          shapes_split:str=None, # use the prompts of this Shapes split instead ('test' holds unseen colour-shape pairs)
          shapes_level:int=1, # Shapes difficulty: 1 one object, 2 two objects with a relation
          n:int=64, # number of Shapes prompts
-         guidance:float=None, # classifier-free guidance scale (1 = off; default: 4 for diffusion, the model's own for a GPT)
+         guidance:float=None, # classifier-free guidance scale (1 = off; default: 4 latent diffusion, 3 GLIDE, the model's own for a GPT)
          seed:int=0, # image i uses seed + i
          batch_size:int=64, # images per forward pass (per process)
-         sampler:str='dpmpp_2m', # diffusion: one of ddpm ddim plms euler euler_a heun dpmpp_2m dpmpp_2m_karras unipc
+         sampler:str=None, # diffusion: one of ddpm ddim plms euler euler_a heun dpmpp_2m dpmpp_2m_karras unipc (default: dpmpp_2m; GLIDE: ddpm)
          steps:int=20, # diffusion: sampling steps
          negative_prompt:str=None, # diffusion: replaces the empty unconditional prompt
          eta:float=0.0, # diffusion: DDIM eta (0 deterministic)
          temperature:float=None, # GPT: sampling temperature (default: the model's)
          top_k:int=None, # GPT: keep the k most likely tokens (default: the model's)
          top_p:float=None, # GPT: nucleus sampling threshold (default: the model's)
+         upsampler:str=None, # GLIDE: an upsampler folder (train_glide.py --stage upsample); the base images go to OUT/base
+         upsampler_sampler:str='ddpm', # GLIDE upsampler: its sampler
+         upsampler_steps:int=25, # GLIDE upsampler: its sampling steps
+         upsampler_guidance:float=1.0, # GLIDE upsampler: its guidance scale
+         noise_level:int=None, # GLIDE upsampler: augmentation level of its input (default: the model's)
+         candidates:int=1, # draw this many images per prompt and keep the best by --rerank (OUT/ranked/NNNNNN/rank_001.png...)
+         keep:int=1, # with --candidates: ranked images kept per prompt (the best one is OUT/NNNNNN.png)
+         rerank:str='clip', # with --candidates: 'clip' (needs --clip_model) or 'oracle' (Shapes prompts only)
+         clip_model:str=None, # CLIP model folder or Hub id (transformers format) for --rerank clip
         ):
     "Sample images for prompts from a trained model; on several processes the prompts are split and gathered in order."
+    if candidates < 1 or not 1 <= keep <= candidates: raise ConfigError(f"--candidates {candidates} --keep {keep}: need 1 <= keep <= candidates.")
+    if candidates > 1 and rerank not in ('clip', 'oracle'): raise ConfigError(f"--rerank {rerank!r}: use 'clip' or 'oracle'.")
+    if candidates > 1 and rerank == 'clip' and not clip_model: raise ConfigError("--rerank clip needs --clip_model (a CLIP folder or Hub id in transformers format).")
+    if candidates > 1 and rerank == 'oracle' and not shapes_split: raise ConfigError("--rerank oracle scores Shapes scenes: use it with --shapes_split.")
     acc = Accelerator()
     family, m = load_model(model)
     m = m.to(acc.device)
+    if upsampler and family != 'glide': raise ConfigError(f"--upsampler goes with a GLIDE base model; {model} is a {family} model.")
     ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed)
-    seeds = [seed + i for i in range(len(ps))]
-    if family == 'ldm':
-        if sampler not in SAMPLERS: raise ConfigError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
-        if any(v is not None for v in (temperature, top_k, top_p)): raise ConfigError("--temperature, --top_k and --top_p apply to latent GPT models, not to diffusion.")
-        guidance = 4.0 if guidance is None else guidance
-        images = sample_distributed(acc, m.unet, make_scheduler(sampler, m.scheduler), m.text_encoder, ps, seeds,
-                                    negative_prompt=negative_prompt, autoencoder=m.autoencoder, guidance_scale=guidance, steps=steps, eta=eta,
-                                    batch_size=batch_size, progress=acc.is_main_process)
-        meta = dict(family='ldm', sampler=sampler, steps=steps, guidance=guidance)
-    else:
-        if negative_prompt: raise ConfigError("--negative_prompt: a latent GPT's unconditional stream is its learned null text; it takes no negative prompt.")
-        c = m.config
-        kw = dict(guidance_scale=c.guidance_scale if guidance is None else guidance, temperature=c.temperature if temperature is None else temperature,
-                  top_k=c.top_k if top_k is None else top_k, top_p=c.top_p if top_p is None else top_p)
-        images = gpt_images(acc, m, ps, seeds, batch_size, progress=acc.is_main_process, **kw)
-        meta = dict(family='gpt', guidance=kw['guidance_scale'], temperature=kw['temperature'], top_k=kw['top_k'], top_p=kw['top_p'])
+    N = candidates   # candidate j of prompt i has seed seed + i*N + j (seed + i without re-ranking)
+    ps_x, sc_x = [p for p in ps for _ in range(N)], [s for s in scenes for _ in range(N)]
+    seeds_x = [seed + i * N + j for i in range(len(ps)) for j in range(N)]
+    images, meta = family_images(acc, family, m, ps_x, seeds_x, guidance=guidance, batch_size=batch_size, sampler=sampler, steps=steps,
+                                 negative_prompt=negative_prompt, eta=eta, temperature=temperature, top_k=top_k, top_p=top_p)
+    meta |= {'model': str(model)}
+    if upsampler:
+        base_images, base_meta = images, dict(meta)
+        up = GlideUpsampler.from_pretrained(upsampler).to(acc.device)
+        low = to_unit_batch(base_images) * 2 - 1
+        images = images_distributed(acc, up.generate, ps_x, seeds_x, batch_size, progress=acc.is_main_process, low_res_images=low,
+                                    desc='upsampling', num_inference_steps=upsampler_steps, guidance_scale=upsampler_guidance,
+                                    sampler=upsampler_sampler, noise_level=noise_level)
+        meta |= dict(upsampler=str(upsampler), upsampler_sampler=upsampler_sampler, upsampler_steps=upsampler_steps,
+                     upsampler_guidance=upsampler_guidance, noise_level=up.noise_level if noise_level is None else noise_level)
     if acc.is_main_process:
-        write_samples(images, ps, scenes, seeds, out, meta | {'model': str(model)})
-        print(f"{len(images)} images, samples.jsonl and grid.png in {out}")
+        best = list(range(0, len(images), N))
+        if N > 1:
+            clip = load_clip(clip_model) if rerank == 'clip' else None   # loaded once, used for every prompt
+            for i, (p, sc) in enumerate(zip(ps, scenes)):
+                cands = images[i * N:(i + 1) * N]
+                scores = clip_scores(cands, [p] * N, clip, device=acc.device) if clip else oracle_scores(cands, [sc] * N, ShapesOracle())
+                top = write_ranked(Path(out)/'ranked'/f'{i:06d}', cands, scores, keep, prompt=p, seeds=seeds_x[i * N:(i + 1) * N], rerank=rerank)
+                best[i] = i * N + top[0]
+            meta |= dict(candidates=N, rerank=rerank, **({'clip_model': clip_model} if clip else {}))
+        pick = lambda xs: [xs[j] for j in best]
+        if upsampler: write_samples(pick(base_images), ps, scenes, pick(seeds_x), Path(out)/'base', base_meta)
+        write_samples(pick(images), ps, scenes, pick(seeds_x), out, meta)
+        print(f"{len(ps)} images, samples.jsonl and grid.png in {out}" + (f" (best of {N} by {rerank})" if N > 1 else ''))
     acc.wait_for_everyone()
     return images
 
