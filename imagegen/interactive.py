@@ -15,6 +15,7 @@ from accelerate import PartialState
 import torch
 from transformers import LogitsProcessor
 from .ar.task import GPT_FILE, TextToImageGPT
+from .diffusion.glide import GLIDE_FILE, GlideDiffusion
 from .diffusion.ldm import LatentDiffusion
 from .grids import make_grid, save_grid, to_pil
 from .diffusion.sampling import SAMPLERS, make_generators, make_scheduler, sample
@@ -22,7 +23,7 @@ from .shapes import (COLOR_WORDS, POSITION_WORDS, RELATION_WORDS, SHAPE_WORDS, S
                              ShapesOracle)
 
 # %% auto #0
-__all__ = ['MAX_BATCH', 'GENERATOR_ADAPTERS', 'VERDICT_KEYS', 'GenerationRequest', 'ImageGenerator', 'LDMGenerator',
+__all__ = ['MAX_BATCH', 'GENERATOR_ADAPTERS', 'VERDICT_KEYS', 'GenerationRequest', 'ImageGenerator', 'DiffusionGenerator',
            'GPTGenerator', 'as_generator', 'ShapesPrompt', 'parse_prompt', 'shapes_verdict', 'verdict_html',
            'GenerationUI']
 
@@ -66,23 +67,23 @@ class ImageGenerator(Protocol):
     def __call__(self, request:GenerationRequest, callback:Callable[[int, int], None]|None=None) -> list[Image.Image]: ...
 
 # %% ../nbs/07b_interactive.ipynb #e0569ffb
-class LDMGenerator:
-    "`ImageGenerator` over a `LatentDiffusion`: any sampler of `SAMPLERS`, CFG with the negative prompt, one seed per image."
+class DiffusionGenerator:
+    "`ImageGenerator` over a `LatentDiffusion` or a GLIDE base model: any sampler of `SAMPLERS`, CFG with the negative prompt, one seed per image."
     samplers = tuple(SAMPLERS)
-    def __init__(self, ldm:LatentDiffusion, device=None):
-        self.ldm = ldm if device is None else ldm.to(device)
+    def __init__(self, model:LatentDiffusion|GlideDiffusion, device=None):
+        self.model = model if device is None else model.to(device)
 
     def __call__(self, request:GenerationRequest, callback:Callable[[int, int], None]|None=None) -> list[Image.Image]:
-        r, ldm = request.check(self.samplers), self.ldm
-        was = ldm.unet.training
-        ldm.unet.eval()
+        r, m = request.check(self.samplers), self.model
+        was = m.unet.training
+        m.unet.eval()
         try:
-            return sample(ldm.unet, make_scheduler(r.sampler, ldm.scheduler), ldm.text_encoder, [r.prompt] * r.batch_size,
-                          autoencoder=ldm.autoencoder,
+            return sample(m.unet, make_scheduler(r.sampler, m.scheduler), m.text_encoder, [r.prompt] * r.batch_size,
+                          autoencoder=getattr(m, 'autoencoder', None),   # GLIDE samples in pixel space
                           negative_prompt=r.negative_prompt or None, guidance_scale=r.guidance, steps=r.steps,
                           generator=make_generators(r.seeds), progress=False,
                           callback=None if callback is None else (lambda i, n, latents: callback(i, n)))
-        finally: ldm.unet.train(was)
+        finally: m.unet.train(was)
 
 # %% ../nbs/07b_interactive.ipynb #35cce6c2
 class _TokenProgress(LogitsProcessor):
@@ -108,12 +109,15 @@ class GPTGenerator:
                       value_range=(-1, 1))
 
 # %% ../nbs/07b_interactive.ipynb #28c6acfe
-GENERATOR_ADAPTERS:dict[type, Callable] = {LatentDiffusion: LDMGenerator, TextToImageGPT: GPTGenerator}   # model class -> adapter(model, device)
+GENERATOR_ADAPTERS:dict[type, Callable] = {LatentDiffusion: DiffusionGenerator, GlideDiffusion: DiffusionGenerator,
+                                          TextToImageGPT: GPTGenerator}   # model class -> adapter(model, device)
 
 def as_generator(model, device=None) -> ImageGenerator:
-    "An `ImageGenerator` from a model folder (a latent GPT's or `LatentDiffusion.from_pretrained`), a model with an adapter, or a generator."
+    "An `ImageGenerator` from a model folder (a latent GPT's, a GLIDE base model's, or `LatentDiffusion.from_pretrained`), a model with an adapter, or a generator."
     if isinstance(model, (str, Path)):
-        load = TextToImageGPT.from_pretrained if (Path(model)/GPT_FILE).exists() else LatentDiffusion.from_pretrained
+        p = Path(model)
+        load = (TextToImageGPT.from_pretrained if (p/GPT_FILE).exists() else
+                GlideDiffusion.from_pretrained if (p/GLIDE_FILE).exists() else LatentDiffusion.from_pretrained)
         model, device = load(model), device or PartialState().device
     for cls, adapter in GENERATOR_ADAPTERS.items():
         if isinstance(model, cls): return adapter(model, device)
