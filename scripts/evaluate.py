@@ -8,6 +8,7 @@ import argparse
 from fastcore.script import str2bool
 from imagegen.config import run_cli
 from imagegen.autoencoders.kl import ImageAutoencoder
+import numpy as np
 import torch
 from imagegen.metrics import evaluate_images, first_stage_report, to_unit_batch, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
@@ -81,6 +82,17 @@ def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=No
         return f"TensorBoard {tr['log_dir']}, step {step}"
     return None
 
+def upsampler_check(path:str|Path, rows:list[dict], steps:int=25, sampler:str='ddpm') -> dict:
+    "The upsampler at `path` on the true renders of the rows' scenes: PSNR/SSIM against them (and bicubic's), and the oracle on its images."
+    from imagegen.diffusion.upsampler import GlideUpsampler, upsampler_report
+    from imagegen.grids import to_pil
+    up = GlideUpsampler.from_pretrained(path)
+    truth = torch.stack([torch.from_numpy(np.asarray(render(r['scene'], up.resolution), dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1 for r in rows])
+    rep, sr = upsampler_report(up, truth, [r['prompt'] for r in rows], num_inference_steps=steps, sampler=sampler)
+    ora = ShapesOracle().report(to_pil(sr, value_range=(-1, 1)), [r['scene'] for r in rows])
+    return {**rep, **{f'upsampler/oracle/{k}': v for k, v in ora.items()}, 'upsampler/low_res': up.low_res,
+            'upsampler/resolution': up.resolution, 'upsampler/steps': steps, 'upsampler/sampler': sampler}
+
 def parse_args(argv:list[str]|None=None):
     p = argparse.ArgumentParser(prog='evaluate.py', description="Compute every metric the samples allow and write them as JSON.", allow_abbrev=False)
     p.add_argument('--samples', default='runs/samples', help="folder written by scripts/sample.py")
@@ -91,6 +103,9 @@ def parse_args(argv:list[str]|None=None):
                    help="FID/KID features: auto (Inception if torch-fidelity is installed, else random-conv), inception, random")
     p.add_argument('--vae', default='auto', help="first-stage ceiling: oracle on this VAE's or VQ model's reconstructions of the true images "
                                                 "('auto': the model's vae/ or vqvae/; '' skips)")
+    p.add_argument('--upsampler', help="a GLIDE upsampler folder: also score it on the true renders of the prompts' scenes, degraded to its input size, against bicubic (PSNR/SSIM) and by the oracle")
+    p.add_argument('--upsampler_steps', type=int, default=25, help="sampling steps of --upsampler")
+    p.add_argument('--upsampler_sampler', default='ddpm', help="sampler of --upsampler")
     p.add_argument('--log_to_run', default=True, type=str2bool, help="also log the metrics into the MLflow run / TensorBoard folder of the run that trained the model")
     return p.parse_args(argv)
 
@@ -112,6 +127,9 @@ def main(argv:list[str]|None=None) -> dict|None:
         truth = refs if a.real == 'scenes' else real_images(rows, 'scenes')
         m.update(first_stage_report(ae, truth, scenes, ShapesOracle()))
         if hasattr(ae, 'vocab_size'): m.update(codebook_report(ae, truth))        # a VQ model: codes the true images use
+    if a.upsampler:
+        if not has_scenes: raise ValueError("--upsampler is scored on the true renders of Shapes scenes: sample with --shapes_split.")
+        m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler))
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
     if 'first_stage/color_and_shape' in m:
@@ -120,6 +138,9 @@ def main(argv:list[str]|None=None) -> dict|None:
         print(f"codebook usage on the true images: {m['first_stage/codebook_usage']:.3f} of {m['first_stage/codebook_size']} codes "
               f"(perplexity {m['first_stage/codebook_perplexity']:.1f}, {m['first_stage/tokens']} tokens)")
     if 'fid' in m: print(f"FID {m['fid']:.2f}  KID {m['kid_mean']:.4f} ({m['fid_features']})")
+    if 'upsampler/psnr' in m:
+        print(f"upsampler on true {m['upsampler/low_res']}->{m['upsampler/resolution']} px renders: PSNR {m['upsampler/psnr']:.2f} dB, SSIM {m['upsampler/ssim']:.3f} "
+              f"(bicubic {m['bicubic/psnr']:.2f} dB, {m['bicubic/ssim']:.3f}); adherence of its images {m['upsampler/oracle/color_and_shape']:.3f}")
     print(f"metrics written to {path}")
     where = log_to_training_run(m, rows[0].get('model'), Path(a.samples)/'grid.png') if a.log_to_run else None
     if where: print(f"metrics logged to {where}")
