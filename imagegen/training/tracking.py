@@ -36,11 +36,13 @@ def _as_dict(c) -> dict:
     return dict(c)
 
 def launcher_info(accelerator:Accelerator|None) -> dict:
-    "What `accelerate launch` (or the notebook) resolved: distributed type, processes, mixed precision, device."
-    if accelerator is None: return {'distributed_type': 'NO', 'num_processes': 1, 'mixed_precision': 'no', 'device': 'cpu'}
+    "What `accelerate launch` (or the notebook) resolved: distributed type, processes, mixed precision, device, torch.compile backend."
+    if accelerator is None: return {'distributed_type': 'NO', 'num_processes': 1, 'mixed_precision': 'no', 'device': 'cpu', 'dynamo_backend': 'NO'}
     st = accelerator.state
+    dynamo = getattr(getattr(st, 'dynamo_plugin', None), 'backend', None)
     return {'distributed_type': str(st.distributed_type).split('.')[-1], 'num_processes': accelerator.num_processes,
-            'mixed_precision': accelerator.mixed_precision, 'device': str(accelerator.device)}
+            'mixed_precision': accelerator.mixed_precision, 'device': str(accelerator.device),
+            'dynamo_backend': str(getattr(dynamo, 'value', dynamo or 'NO'))}   # 'NO': no torch.compile
 
 def run_info(cfg:Config|dict, accelerator:Accelerator|None=None, sections:dict|None=None) -> dict:
     "Resolved configuration (`train` = `cfg`, plus `sections` such as model and data, plus the launcher), versions, git commit, as JSON-ready dict."
