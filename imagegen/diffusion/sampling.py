@@ -110,8 +110,8 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
     latents = latents.to(dev, dtype) * scheduler.init_noise_sigma
     kw = _step_kwargs(scheduler, generator, eta)
     ts, c = scheduler.timesteps, latents.shape[1]
-    learned = ('variance_type' in inspect.signature(type(scheduler).__init__).parameters    # DDPM (and DPM-Solver) read a variance half;
-               and scheduler.config.variance_type in ('learned', 'learned_range'))          # a config key alone is not enough
+    learned = (isinstance(scheduler, DDPMScheduler)      # only DDPM samples with a learned variance (DPM-Solver drops it, for
+               and scheduler.config.variance_type in ('learned', 'learned_range'))   # epsilon models only); a config key alone is not enough
     twice = lambda v: torch.cat([v] * 2) if cfg else v
     if concat is not None: concat = twice(concat.to(dev, dtype))
     extra = {} if class_labels is None else {'class_labels': twice(class_labels.to(dev))}
