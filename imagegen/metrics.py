@@ -20,8 +20,8 @@ from .text import tiny_clip_tokenizer
 
 # %% auto #0
 __all__ = ['INCEPTION_NAME', 'to_unit_batch', 'RandomConvFeatures', 'image_features', 'fid_kid', 'CLIPFeatures', 'clip_model',
-           'tiny_clip', 'clip_score', 'clip_scores', 'oracle_scores', 'rerank', 'write_ranked', 'evaluate_images',
-           'write_metrics_json', 'first_stage_report']
+           'tiny_clip', 'clip_score', 'clip_scores', 'oracle_scores', 'rerank', 'write_ranked', 'best_of_n',
+           'evaluate_images', 'write_metrics_json', 'first_stage_report']
 
 # %% ../nbs/07a_metrics.ipynb #befae44e
 def to_unit_batch(images) -> torch.Tensor:
@@ -174,6 +174,19 @@ def write_ranked(out, images:list, scores, k:int=1, **meta) -> list[int]:
              for i, s in enumerate(scores)]
     (out/'metadata.json').write_text(json.dumps({**meta, 'kept': k, 'candidates': cands}, indent=2) + '\n')
     return best
+
+# %% ../nbs/07a_metrics.ipynb #ccb8aef7
+def best_of_n(scores, verdicts, ns:Sequence[int]) -> dict[int, float]:
+    "For each n in `ns`: the mean of `verdicts` at the best-`scores` candidate among each prompt's first n (both [prompts, candidates])."
+    s, v = torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(verdicts, dtype=torch.float64)
+    if s.ndim != 2 or s.shape != v.shape:
+        raise ValueError(f"best_of_n: scores {tuple(s.shape)} and verdicts {tuple(v.shape)} must both be [prompts, candidates].")
+    out = {}
+    for n in ns:
+        if not 1 <= n <= s.shape[1]: raise ValueError(f"best_of_n: n={n}, but there are {s.shape[1]} candidates per prompt.")
+        pick = torch.tensor([rerank(row[:n])[0] for row in s])
+        out[n] = float(v.gather(1, pick[:, None]).mean())
+    return out
 
 # %% ../nbs/07a_metrics.ipynb #434fe116
 def evaluate_images(images, prompts:Sequence[str], scenes=None, real_images=None, clip=None, oracle=None,

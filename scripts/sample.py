@@ -12,7 +12,7 @@ from imagegen.config import ConfigError, run_script
 from imagegen.diffusion.glide import GLIDE_FILE, GlideDiffusion
 from imagegen.diffusion.ldm import LatentDiffusion
 from imagegen.diffusion.upsampler import GlideUpsampler
-from imagegen.metrics import clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
+from imagegen.metrics import best_of_n, clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
 from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
 from imagegen.shapes import ShapesDataset, ShapesOracle, prompt as scene_prompt
@@ -86,6 +86,20 @@ def family_images(acc:Accelerator, family:str, m, ps:list[str], seeds:list[int],
     images = images_distributed(acc, m.generate, ps, seeds, batch_size, progress=acc.is_main_process, **kw)
     return images, dict(family='gpt', guidance=kw['guidance_scale'], temperature=kw['temperature'], top_k=kw['top_k'], top_p=kw['top_p'])
 
+def rerank_gain(images:list, scenes:list[dict], scores:torch.Tensor, rerank:str, out:Path|str) -> list[dict]:
+    "Oracle adherence of the best-`scores` candidate among each prompt's first n, n = 1, 2, 4, ... N: printed and written to `OUT/rerank_gain.json`."
+    P, N = scores.shape
+    verdicts = [ShapesOracle().score(im, sc) for im, sc in zip(images, scenes, strict=True)]
+    grid = lambda k: torch.tensor([float(bool(v[k])) for v in verdicts]).view(P, N)
+    ns = sorted({2 ** e for e in range(N.bit_length()) if 2 ** e <= N} | {N})
+    adh, allr = best_of_n(scores, grid('color_and_shape'), ns), best_of_n(scores, grid('all'), ns)
+    rows = [{'n': n, 'adherence': adh[n], 'all_attributes': allr[n]} for n in ns]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out)/'rerank_gain.json').write_text(json.dumps({'rerank': rerank, 'prompts': P, 'rows': rows}, indent=1) + '\n')
+    print(f"best of n by {rerank}, {P} prompts:  n  adherence  all attributes")
+    for r in rows: print(f"{'':>{len(rerank) + 24}}{r['n']:>3}  {r['adherence']:>9.3f}  {r['all_attributes']:>14.3f}")
+    return rows
+
 def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py, train_glide.py or train_gpt.py run)
          out:str='runs/samples', # output folder: NNNNNN.png, samples.jsonl, grid.png
          prompts:str=None, # prompts separated by '|'
@@ -142,12 +156,14 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
         best = list(range(0, len(images), N))
         if N > 1:
             clip = load_clip(clip_model) if rerank == 'clip' else None   # loaded once, used for every prompt
+            all_scores = []
             for i, (p, sc) in enumerate(zip(ps, scenes)):
                 cands = images[i * N:(i + 1) * N]
                 scores = clip_scores(cands, [p] * N, clip, device=acc.device) if clip else oracle_scores(cands, [sc] * N, ShapesOracle())
                 top = write_ranked(Path(out)/'ranked'/f'{i:06d}', cands, scores, keep, prompt=p, seeds=seeds_x[i * N:(i + 1) * N], rerank=rerank)
-                best[i] = i * N + top[0]
+                best[i], _ = i * N + top[0], all_scores.append(scores)
             meta |= dict(candidates=N, rerank=rerank, **({'clip_model': clip_model} if clip else {}))
+            if scenes[0] is not None: rerank_gain(images, sc_x, torch.stack(all_scores), rerank, out)
         pick = lambda xs: [xs[j] for j in best]
         if upsampler: write_samples(pick(base_images), ps, scenes, pick(seeds_x), Path(out)/'base', base_meta)
         write_samples(pick(images), ps, scenes, pick(seeds_x), out, meta)

@@ -98,6 +98,7 @@ class GlideConfig(Config):
     attention_head_dim:int = 32          # channels per attention head (GLIDE: 64)
     dropout:float = 0.0                  # UNet residual-block dropout (GLIDE: 0.1)
     pooled_text:bool = True              # add attention-pooled text to the time embedding (diffusers addition_embed_type='text')
+    only_cross_attention:bool = False    # attention reads the text only (IF's super-resolution stages); False: GLIDE's, text K/V prepended to the image's
     learn_sigma:bool = True              # predict the variance too (hybrid loss); the UNet outputs 6 channels
     uncond_p:float = 0.2                 # caption -> '' probability in the loss (classifier-free guidance)
     snr_gamma:float|None = None          # min-SNR-gamma weighting of the noise MSE (5.0 is the paper's choice); None: GLIDE's plain MSE
@@ -146,7 +147,7 @@ def build_glide_unet(cfg:GlideConfig, text_width:int|None=None, in_channels:int=
               block_out_channels=tuple(cfg.block_out_channels), layers_per_block=cfg.layers_per_block,
               cross_attention_dim=xdim, attention_head_dim=cfg.attention_head_dim, act_fn='silu',
               resnet_time_scale_shift='scale_shift', norm_num_groups=_norm_groups(cfg.block_out_channels), dropout=cfg.dropout,
-              encoder_hid_dim=text_width if text_width != xdim else None)
+              encoder_hid_dim=text_width if text_width != xdim else None, only_cross_attention=cfg.only_cross_attention)
     if cfg.pooled_text: kw.update(addition_embed_type='text', addition_embed_type_num_heads=max(1, xdim // 64))
     return UNet2DConditionModel(**{**kw, **overrides})
 

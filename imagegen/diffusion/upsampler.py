@@ -4,11 +4,12 @@
 
 # %% ../../nbs/04d_upsampler.ipynb #d0a1a0e6
 from __future__ import annotations
-import json
+import json, math
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 import torch.nn.functional as F
+from torch import nn
 from diffusers import DDPMScheduler, IFSuperResolutionPipeline, UNet2DConditionModel
 from diffusers.utils.torch_utils import randn_tensor
 from fastcore.basics import patch
@@ -34,6 +35,7 @@ class UpsamplerConfig(GlideConfig):
     beta_schedule:str = 'linear'
     noise_aug_max:int = 250              # training: augmentation level drawn from [0, noise_aug_max] (0: always level 0, nearly clean)
     noise_level:int = 100                # sampling: augmentation level of the low-resolution input (IF's default: 250)
+    train_crop:int|None = None           # train on random crops of this size of the high-resolution images (None: whole images)
 
     presets = {
         'tiny': dict(),
@@ -47,6 +49,11 @@ class UpsamplerConfig(GlideConfig):
         if not 1 <= self.low_res < self.resolution: raise ConfigError(f"UpsamplerConfig.low_res={self.low_res}: must be below resolution={self.resolution}.")
         for f in ('noise_aug_max', 'noise_level'):
             if not 0 <= getattr(self, f) < self.num_train_timesteps: raise ConfigError(f"UpsamplerConfig.{f}={getattr(self, f)}: must be in [0, {self.num_train_timesteps}).")
+        if self.train_crop is not None:
+            step = math.lcm(self.resolution // self.low_res, 2 ** (len(self.block_out_channels) - 1))
+            if self.resolution % self.low_res or not 0 < self.train_crop <= self.resolution or self.train_crop % step:
+                raise ConfigError(f"UpsamplerConfig.train_crop={self.train_crop}: must be a multiple of {step} (the scale factor and the UNet's "
+                                  f"downsampling) up to resolution={self.resolution}, with resolution a multiple of low_res={self.low_res}.")
 
 # %% ../../nbs/04d_upsampler.ipynb #40822c50
 def build_upsampler_unet(cfg:UpsamplerConfig, **overrides) -> UNet2DConditionModel:
@@ -71,16 +78,18 @@ class GlideUpsampler(GlideDiffusion):
         self.sample_images = None                       # low-resolution images for the training loop's grids
 
 @patch
-def upsample(self:GlideUpsampler, low:torch.Tensor) -> torch.Tensor:
-    "Low-resolution images (B, 3, h, w) in [-1, 1] -> bilinear (align_corners=True, as IF) at the model's resolution."
+def upsample(self:GlideUpsampler, low:torch.Tensor, size:int|None=None) -> torch.Tensor:
+    "Low-resolution images (B, 3, h, w) in [-1, 1] -> bilinear (align_corners=True, as IF) at `size` (default: the model's resolution)."
     if low.ndim != 4 or low.shape[1] != self.image_channels:
         raise ValueError(f"low-resolution images must be (B, 3, h, w) in [-1, 1], got {tuple(low.shape)}.")
-    return F.interpolate(low.float(), (self.resolution, self.resolution), mode='bilinear', align_corners=True)
+    size = size or self.resolution
+    return F.interpolate(low.float(), (size, size), mode='bilinear', align_corners=True)
 
 @patch
 def degrade(self:GlideUpsampler, high:torch.Tensor) -> torch.Tensor:
-    "High-resolution images -> their `low_res` version (antialiased bicubic), in [-1, 1]."
-    return F.interpolate(high.float(), (self.low_res, self.low_res), mode='bicubic', antialias=True, align_corners=False).clamp(-1, 1)
+    "High-resolution images (or crops of them) -> `low_res / resolution` of their size (antialiased bicubic), in [-1, 1]."
+    size = high.shape[-1] * self.low_res // self.resolution
+    return F.interpolate(high.float(), (size, size), mode='bicubic', antialias=True, align_corners=False).clamp(-1, 1)
 
 # %% ../../nbs/04d_upsampler.ipynb #35917003
 def _upsampler_parts(cfg:UpsamplerConfig, corpus:list[str]|None):
@@ -108,12 +117,23 @@ def from_config(cls:GlideUpsampler, cfg:UpsamplerConfig|str='tiny', corpus:list[
 @patch
 def condition(self:GlideUpsampler, x0:torch.Tensor, generator:torch.Generator|None=None) -> tuple[torch.Tensor, dict]:
     "The condition channels for high-resolution `x0`: degraded, upsampled, noised to a random level that goes to the class embedding."
-    if x0.shape[-1] != self.resolution or x0.shape[-2] != self.resolution:
+    crop = getattr(self.config, 'train_crop', None)
+    if x0.shape[-1] != x0.shape[-2] or x0.shape[-1] not in (self.resolution, crop):
         raise ValueError(f"GlideUpsampler.loss: images are {tuple(x0.shape[-2:])} but the upsampler makes {self.resolution}x{self.resolution}: load the data at its resolution.")
-    cond = self.upsample(self.degrade(x0))
+    cond = self.upsample(self.degrade(x0), x0.shape[-1])
     level = torch.randint(0, self.noise_aug_max + 1, (len(x0),), generator=generator, device=x0.device)
     cond = self.noising_scheduler.add_noise(cond, torch.randn(cond.shape, generator=generator, device=x0.device), level)
     return cond, {'class_labels': level}
+
+@patch
+def loss(self:GlideUpsampler, model:nn.Module, batch:dict, generator:torch.Generator|None=None) -> dict:
+    "The base model's loss on the high-resolution images, or on one random `config.train_crop` crop of each (on the low-resolution pixel grid)."
+    crop, x0 = getattr(self.config, 'train_crop', None), batch.get('pixel_values')
+    if crop and x0 is not None and x0.shape[-1] == self.resolution and crop < self.resolution:
+        f = self.resolution // self.low_res
+        ij = torch.randint(0, (self.resolution - crop) // f + 1, (len(x0), 2), generator=generator) * f
+        batch = {**batch, 'pixel_values': torch.stack([x[:, i:i + crop, j:j + crop] for x, (i, j) in zip(x0, ij.tolist())])}
+    return GlideDiffusion.loss(self, model, batch, generator)
 
 # %% ../../nbs/04d_upsampler.ipynb #d37d0755
 @patch
