@@ -54,14 +54,19 @@ test: check sysdeps
 # The main job: Shapes -> a first stage -> a text-to-image model -> held-out prompts -> grid + metrics JSON.
 #   FAMILY=ldm (default): tiny KL VAE -> tiny latent diffusion (recipes scripts/configs/main_vae.yaml, main_ldm.yaml)
 #   FAMILY=gpt:           tiny VQ-VAE -> tiny latent GPT       (recipes scripts/configs/main_vqvae.yaml, main_gpt.yaml)
+#   FAMILY=glide:         tiny GLIDE base at 32 px -> tiny 32->128 upsampler (recipes scripts/configs/main_glide.yaml,
+#                         main_glide_upsampler.yaml); Shapes is also rendered at 128 px for the upsampler
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
-# VAE_STEPS / LDM_STEPS (ldm) and VQ_STEPS / GPT_STEPS (gpt) override the recipes' step counts.
+# VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt) and GLIDE_STEPS / UP_STEPS (glide) override the recipes' step counts.
 FAMILY ?= ldm
 MAIN ?= runs/main
 VAE_STEPS ?=
 LDM_STEPS ?=
 VQ_STEPS ?=
 GPT_STEPS ?=
+GLIDE_STEPS ?=
+UP_STEPS ?=
+N_UP_TRAIN ?= 2000
 N_EVAL ?= 200
 N_TRAIN ?= 10000
 # on CPU, one process that uses every core (accelerate launch alone would pin it to one thread)
@@ -83,10 +88,22 @@ define TRAIN_gpt
 	$(PY) scripts/sample.py --model $(MAIN)/gpt/model --shapes_split test --n $(N_EVAL) --out $(MAIN)/gpt-samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/gpt-samples
 endef
+define TRAIN_glide
+	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes128 --format imagefolder --resolution 128 --n_train $(N_UP_TRAIN) --n_validation 0 --n_test 0
+	$(LAUNCH) scripts/train_glide.py --stage base --config scripts/configs/main_glide.yaml --output_dir $(MAIN)/glide \
+	  --train_data_dir $(TRAIN_DATA) $(if $(GLIDE_STEPS),--max_train_steps $(GLIDE_STEPS))
+	$(LAUNCH) scripts/train_glide.py --stage upsample --config scripts/configs/main_glide_upsampler.yaml --output_dir $(MAIN)/glide_upsampler \
+	  --train_data_dir $(MAIN)/shapes128/imagefolder/train $(if $(UP_STEPS),--max_train_steps $(UP_STEPS))
+	$(PY) scripts/sample.py --model $(MAIN)/glide/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 3 \
+	  --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 10 --out $(MAIN)/glide-samples
+	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples/base
+	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 10
+endef
 SAMPLES_ldm := $(MAIN)/samples
 SAMPLES_gpt := $(MAIN)/gpt-samples
+SAMPLES_glide := $(MAIN)/glide-samples
 main: check
-	@case "$(FAMILY)" in ldm|gpt) ;; *) echo "FAMILY=$(FAMILY): choose ldm or gpt"; exit 2;; esac
+	@case "$(FAMILY)" in ldm|gpt|glide) ;; *) echo "FAMILY=$(FAMILY): choose ldm, gpt or glide"; exit 2;; esac
 	$(BIN)/imagegen-diagnose
 	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
 	$(TRAIN_$(FAMILY))

@@ -18,3 +18,20 @@ def test_main_job_tiny(tmp_path):
     assert cfg['model']['train_text_encoder'] and cfg['model']['pooled_text'] and cfg['data']['cache_latents']
     assert (cfg['train']['max_steps'], cfg['train']['batch_size'], cfg['train']['ema']) == (3, 64, True)
     assert f"metrics logged to TensorBoard {out/'ldm'/'logs'}" in p.stdout and 'step 3' in p.stdout   # evaluate.py -> the run's curves
+
+
+def test_main_job_glide_tiny(tmp_path):
+    "make main FAMILY=glide: base model, upsampler on Shapes rendered at 128 px, two-stage sampling, both resolutions evaluated."
+    out = tmp_path/'main'
+    p = run(['make', '-s', 'main', 'FAMILY=glide', f'MAIN={out}', 'GLIDE_STEPS=3', 'UP_STEPS=3', 'N_EVAL=8', 'N_TRAIN=256',
+             'N_UP_TRAIN=32'], timeout=900)
+    base = json.loads((out/'glide-samples'/'base'/'metrics.json').read_text())
+    up = json.loads((out/'glide-samples'/'metrics.json').read_text())
+    assert base['n_images'] == up['n_images'] == 8 and base['family'] == 'glide' and up['upsampler/steps'] == 10
+    assert 0 <= base['oracle/color_and_shape'] <= 1 and 0 <= up['oracle/color_and_shape'] <= 1
+    assert up['upsampler/resolution'] == 128 and {'upsampler/psnr', 'bicubic/psnr', 'upsampler/ssim', 'bicubic/ssim'} <= set(up)
+    from PIL import Image
+    assert Image.open(out/'glide-samples'/'base'/'000000.png').size == (32, 32) and Image.open(out/'glide-samples'/'000000.png').size == (128, 128)
+    cfg = json.loads((out/'glide_upsampler'/'run_info.json').read_text())['config']   # scripts/configs/main_glide_upsampler.yaml
+    assert (cfg['model']['train_crop'], cfg['train']['max_steps']) == (64, 3)
+    assert 'upsampler on true 32->128 px renders' in p.stdout

@@ -14,10 +14,11 @@ def script(name):
     return mod
 
 
-def resolve(name, argv):
+def resolve(name, argv, stage=None):
+    "The run a training script would get from `argv` (train_glide.py: its `stage`'s defaults, 'base' unless given)."
     from imagegen.config import parse_run
     m = script(name)
-    return parse_run(m.DEFAULTS, m.FLAGS, argv)
+    return parse_run(m.DEFAULTS[stage or 'base'] if name == 'train_glide' else m.DEFAULTS, m.FLAGS, argv)
 
 
 def test_yaml_plus_flags_resolve_in_documented_order(tmp_path):
@@ -61,10 +62,12 @@ def test_unknown_flag_is_refused():
 
 @pytest.mark.parametrize('path', sorted((ROOT/'scripts'/'configs').glob('*.yaml')), ids=lambda p: p.name)
 def test_example_configs_resolve(path):
-    "Each example config is read by the script its name ends with, without error."
-    name = 'train_' + path.stem.rsplit('_', 1)[1]
-    run_ = resolve(name, ['--config', str(path)])
+    "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample), without error."
+    stage = 'upsample' if path.stem.endswith('glide_upsampler') else None
+    name = 'train_glide' if stage else 'train_' + path.stem.rsplit('_', 1)[1]
+    run_ = resolve(name, ['--config', str(path)], stage)
     assert set(run_) == {'train', 'model', 'data'}
+    if stage: assert type(run_['model']).__name__ == 'UpsamplerConfig' and run_['model'].train_crop == 64
 
 
 def test_main_job_config_is_the_main_recipe():
