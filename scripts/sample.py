@@ -96,8 +96,9 @@ def rerank_gain(images:list, scenes:list[dict], scores:torch.Tensor, rerank:str,
     rows = [{'n': n, 'adherence': adh[n], 'all_attributes': allr[n]} for n in ns]
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out)/'rerank_gain.json').write_text(json.dumps({'rerank': rerank, 'prompts': P, 'rows': rows}, indent=1) + '\n')
-    print(f"best of n by {rerank}, {P} prompts:  n  adherence  all attributes")
-    for r in rows: print(f"{'':>{len(rerank) + 24}}{r['n']:>3}  {r['adherence']:>9.3f}  {r['all_attributes']:>14.3f}")
+    head = f"best of n by {rerank}, {P} prompts:"
+    print(f"{head}  n  adherence  all attributes")
+    for r in rows: print(f"{'':>{len(head)}}{r['n']:>3}  {r['adherence']:>9.3f}  {r['all_attributes']:>14.3f}")
     return rows
 
 def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py, train_glide.py or train_gpt.py run)
