@@ -162,7 +162,8 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
                 cands = images[i * N:(i + 1) * N]
                 scores = clip_scores(cands, [p] * N, clip, device=acc.device) if clip else oracle_scores(cands, [sc] * N, ShapesOracle())
                 top = write_ranked(Path(out)/'ranked'/f'{i:06d}', cands, scores, keep, prompt=p, seeds=seeds_x[i * N:(i + 1) * N], rerank=rerank)
-                best[i], _ = i * N + top[0], all_scores.append(scores)
+                best[i] = i * N + top[0]
+                all_scores.append(scores)
             meta |= dict(candidates=N, rerank=rerank, **({'clip_model': clip_model} if clip else {}))
             if scenes[0] is not None: rerank_gain(images, sc_x, torch.stack(all_scores), rerank, out)
         pick = lambda xs: [xs[j] for j in best]
