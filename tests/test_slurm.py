@@ -29,6 +29,15 @@ def shapes(tmp_path_factory):
          '--n_train', '64', '--n_validation', '4', '--n_test', '4'])
     return out/'imagefolder'/'train'
 
+@pytest.fixture(autouse=True)
+def no_job_left(cluster):
+    "Whatever a test leaves queued or running (a failed test cannot scancel its job) is cancelled before the next one."
+    yield
+    leftover = cluster.cmd('squeue', '--noheader', '--format=%i').stdout.split()
+    if leftover:
+        cluster.cmd('scancel', *leftover, check=False)
+        for job in map(int, leftover): cluster.wait(job, timeout=60)
+
 def job_env(**kw) -> dict:
     "What the jobs see on top of the submitting environment: this interpreter's environment, CPU processes."
     return {'ACTIVATE': f'export PATH={BIN}:$PATH', 'ACCELERATE_USE_CPU': '1', **kw}
@@ -51,6 +60,11 @@ def http(url:str, headers:dict|None=None, method:str='GET', data:bytes|None=None
 def port_open(port:int, host:str='127.0.0.1') -> bool:
     with socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET) as s:
         s.settimeout(5); return s.connect_ex((host, port)) == 0
+
+def serving(log:Path, port:int, timeout:float=30):
+    """Wait until Jupyter's "is running at" line is in the log and its port answers: jupyter_server prints that line
+    and binds the port a moment later, from its event loop."""
+    wait_for(lambda: 'is running at' in read(log) and port_open(port), timeout, f"nothing answers on port {port}:\n{read(log)[-3000:]}")
 
 def tunnel(log:Path, user:str, login:str, via:str='login') -> tuple[int, str]:
     """Port and node of the printed tunnel line: `via='login'` is `ssh -N -L localhost:PORT:NODE:PORT USER@LOGIN` (the
@@ -96,6 +110,7 @@ def test_jupyter_tunnel_token_and_scancel(cluster, tmp_path):
     assert read(log).startswith('=' * 80 + f'\nimagegen-jupyter (job {job}) on node'), read(log)[:1000]   # the whole log
     port, node = tunnel(log, 'alice', 'login.example.org')
     assert node == socket.gethostname()
+    serving(log, port)
     assert listening_on(port) == {'0.0.0.0'}   # the token guards it: all interfaces, so the login host can tunnel to it
     token = re.search(rf'http://localhost:{port}/lab\?token=(\S+)', read(log))[1]
     assert len(token) >= 32
@@ -143,6 +158,7 @@ def test_jupyter_token_never_in_a_log_it_cannot_make_private(cluster, tmp_path):
         assert f'http://localhost:{port}/lab?token=<the token in {token_file}>' in text, text[-3000:]
         assert (f"This job's log ({log}) could not be made readable by you alone, so the token is not printed here" in text
                 and f'run `cat {token_file}` on the login host' in text), text[-3000:]
+        serving(log, port)
         base = f'http://127.0.0.1:{port}'
         assert http(f'{base}/api/status')[0] == 403
         assert http(f'{base}/api/status', {'Authorization': f'token {token}'})[0] == 200   # the server's token
