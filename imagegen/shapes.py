@@ -15,7 +15,8 @@ from fastcore.basics import patch
 __all__ = ['SHAPES', 'COLORS', 'BACKGROUNDS', 'SIZES', 'SIZE_THRESHOLD', 'POSITIONS', 'RELATIONS', 'SPLITS', 'CROSS_ARM',
            'JITTER', 'COLOR_WORDS', 'SHAPE_WORDS', 'SIZE_WORDS', 'POSITION_WORDS', 'RELATION_WORDS', 'INVERSE_RELATION',
            'HELD_OUT', 'DEFAULT_N', 'CATEGORIES', 'ShapeObject', 'Scene', 'render', 'captions', 'prompt', 'flip_scene',
-           'flip_caption', 'color_shape_pairs', 'sample_scene', 'ShapesDataset', 'to_array', 'ShapesOracle', 'degrade']
+           'flip_caption', 'color_shape_pairs', 'sample_scene', 'ShapesDataset', 'to_array', 'ShapesOracle',
+           'match_objects', 'degrade']
 
 # %% ../nbs/01_shapes.ipynb #43da5178
 SHAPES = ('circle', 'square', 'triangle', 'cross')
@@ -366,16 +367,21 @@ def detect(self:ShapesOracle, image) -> list[dict]:
 # %% ../nbs/01_shapes.ipynb #c99e194c
 CATEGORIES = ('count', 'color', 'shape', 'size', 'position', 'relation')
 
+def match_objects(detections:list[dict], objects:list) -> list[dict|None]:
+    "The detection each scene object is judged on: the one of its colour, else the largest left over (None: none left)."
+    left, matched = list(detections), []
+    for o in objects:
+        m = next((x for x in left if x['color'] == o.color), left[0] if left else None)
+        if m is not None: left.remove(m)
+        matched.append(m)
+    return matched
+
 @patch
 def score(self:ShapesOracle, image, scene:Scene|dict) -> dict:
     "Per-attribute booleans (None where an attribute does not apply) for `image` against `scene`."
     scene = Scene.from_dict(scene)
-    det, matched = self.detect(image), []
-    left = list(det)
-    for o in scene.objects:
-        m = next((x for x in left if x['color'] == o.color), left[0] if left else None)
-        if m is not None: left.remove(m)
-        matched.append(m)
+    det = self.detect(image)
+    matched = match_objects(det, scene.objects)
     ok = lambda attr: all(m is not None and m[attr] == getattr(o, attr) for m, o in zip(matched, scene.objects))
     r = {'count': len(det) == scene.level, 'color': ok('color'), 'shape': ok('shape'), 'size': ok('size'),
          'position': ok('position') if scene.level == 1 else None, 'relation': None}

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from imagegen.metrics import evaluate_images, first_stage_report, to_unit_batch, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
+from imagegen.edits import ShapeEdit, edit_report
 
 def read_samples(folder:Path|str) -> list[dict]:
     "Rows of `samples.jsonl` with their images loaded (clear errors for a missing index or image)."
@@ -33,6 +34,14 @@ def real_images(rows:list[dict], real:str|None) -> list[Image.Image]|None:
         return [render(Scene.from_dict(r['scene']), size) for r in rows]
     if real: return [Image.open(p).convert('RGB') for p in sorted(Path(real).glob('*')) if p.suffix.lower() in ('.png', '.jpg', '.jpeg', '.webp')]
     return None
+
+def edit_metrics(rows:list[dict]) -> dict:
+    "Edit accuracy of the rows' images against their Shapes edits: the oracle's verdicts, per kind too, and SSIM to the true target render."
+    edits = [ShapeEdit.from_dict(r['edit']) for r in rows]
+    rep = edit_report(ShapesOracle(), [r['image'] for r in rows], edits, [render(e.target, r['image'].size[0]) for e, r in zip(edits, rows)])
+    out = {f'edit/{k}': rep[k] for k in ('correct', 'target', 'preserved', 'ssim')}
+    for kind, v in rep['per_kind'].items(): out.update({f'edit/{kind}/{k}': v[k] for k in ('correct', 'target', 'preserved', 'n')})
+    return out
 
 def first_stage(rows:list[dict], which:str|None) -> Path|None:
     "The first stage whose reconstructions set the adherence ceiling: 'auto' is the sampled model's `vae/` or `vqvae/` (None when absent), '' none."
@@ -114,6 +123,9 @@ def main(argv:list[str]|None=None) -> dict|None:
     a = parse_args(argv)
     if int(os.environ.get('RANK', 0)) > 0: return None  # not the main process of a launch: rank 0 does it all
     rows = read_samples(a.samples)
+    has_edits = all(r.get('edit') for r in rows)
+    for r in rows:
+        if r.get('edit') and not r.get('scene'): r['scene'] = r['edit']['target']   # an edit's target is the scene to meet
     scenes = [r.get('scene') for r in rows]
     has_scenes = all(scenes)
     refs = real_images(rows, a.real)
@@ -130,8 +142,12 @@ def main(argv:list[str]|None=None) -> dict|None:
     if a.upsampler:
         if not has_scenes: raise ValueError("--upsampler is scored on the true renders of Shapes scenes: sample with --shapes_split.")
         m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler))
+    if has_edits: m.update(edit_metrics(rows))
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
+    if has_edits:
+        print(f"edit accuracy (the change made, nothing else changed): {m['edit/correct']:.3f} on {len(rows)} edits; change made "
+              f"{m['edit/target']:.3f}, rest unchanged {m['edit/preserved']:.3f}, SSIM to the target {m['edit/ssim']:.3f}")
     if 'first_stage/color_and_shape' in m:
         print(f"first-stage ceiling (oracle on {stage_dir.name} reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
     if 'first_stage/codebook_usage' in m:

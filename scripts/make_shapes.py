@@ -6,22 +6,28 @@ from pathlib import Path
 from imagegen.config import ConfigError, run_script
 from imagegen.shapes import ShapesDataset, SPLITS
 from imagegen.data import write_imagefolder, write_shards, shard_pattern
+from imagegen.edits import ShapesEdits, write_edit_folder, write_edit_shards
 
 def make_shapes(out:str, resolution:int=32, level:int=1, n_train:int=10_000, n_validation:int=1_000, n_test:int=1_000,
-                fmt:str='both', samples_per_shard:int=1000, seed:int=0, image_format:str='png') -> dict:
-    "Write every split of Shapes under `out` in format `fmt` ('imagefolder', 'shards' or 'both'); returns the info dict."
+                fmt:str='both', samples_per_shard:int=1000, seed:int=0, image_format:str='png', task:str='caption') -> dict:
+    "Write every split of Shapes (`task` 'caption') or of its edit triples ('edit') under `out` in format `fmt`; returns the info dict."
     if fmt not in ('imagefolder', 'shards', 'both'): raise ConfigError(f"--format must be imagefolder, shards or both, got {fmt!r}.")
-    out, info = Path(out), {'resolution': resolution, 'level': level, 'seed': seed, 'splits': {}}
+    if task not in ('caption', 'edit'): raise ConfigError(f"--task must be caption (captioned images) or edit (edit triples), got {task!r}.")
+    out, info = Path(out), {'task': task, 'resolution': resolution, 'level': level if task == 'caption' else None, 'seed': seed, 'splits': {}}
     for split, n in zip(SPLITS, (n_train, n_validation, n_test)):
         if not n: continue
-        ds, t0, entry = ShapesDataset(split, level, resolution, n=n, seed=seed), time.time(), {'n': n}
+        t0, entry = time.time(), {'n': n}
+        if task == 'edit':
+            ds, prefix, write_folder, write_tars = ShapesEdits(split, resolution, n=n, seed=seed), f"shapes-edits-{split}", write_edit_folder, write_edit_shards
+        else:
+            ds, prefix, write_folder, write_tars = ShapesDataset(split, level, resolution, n=n, seed=seed), f"shapes-L{level}-{split}", write_imagefolder, write_shards
         if fmt in ('imagefolder', 'both'):
-            entry['imagefolder'] = str(write_imagefolder(ds, out/'imagefolder'/split, image_format))
+            entry['imagefolder'] = str(write_folder(ds, out/'imagefolder'/split, image_format))
         if fmt in ('shards', 'both'):
-            entry['shards'] = shard_pattern(write_shards(ds, out/'shards'/split, f"shapes-L{level}-{split}", samples_per_shard, image_format))
+            entry['shards'] = shard_pattern(write_tars(ds, out/'shards'/split, prefix, samples_per_shard, image_format))
         entry['seconds'] = round(time.time() - t0, 2)
         info['splits'][split] = entry
-        print(f"{split}: {n} images in {entry['seconds']} s -> {', '.join(v for k, v in entry.items() if k in ('imagefolder', 'shards'))}")
+        print(f"{split}: {n} {'triples' if task == 'edit' else 'images'} in {entry['seconds']} s -> {', '.join(v for k, v in entry.items() if k in ('imagefolder', 'shards'))}")
     out.mkdir(parents=True, exist_ok=True)
     (out/'info.json').write_text(json.dumps(info, indent=2))
     return info
@@ -36,8 +42,9 @@ def main(out:str='data/shapes', # output folder
          samples_per_shard:int=1000, # samples per tar shard
          seed:int=0, # dataset seed
          image_format:str='png', # png or jpg
+         task:str='caption', # caption: captioned images (text-to-image); edit: (source, instruction, target) triples
         ):
     "Write the Shapes benchmark as image folders with metadata.jsonl and/or WebDataset tar shards."
-    return make_shapes(out, resolution, level, n_train, n_validation, n_test, format, samples_per_shard, seed, image_format)
+    return make_shapes(out, resolution, level, n_train, n_validation, n_test, format, samples_per_shard, seed, image_format, task)
 
 if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='make_shapes.py')   # run as a script (a notebook has no __file__)

@@ -140,6 +140,7 @@ class UNetWithTextEncoder(nn.Module):
 # %% ../../nbs/04b_ldm.ipynb #8bb10346
 class LatentDiffusion:
     "Frozen autoencoder + text encoder, trainable UNet; `loss(batch)` for the shared loop, diffusers-format save/load."
+    input_latents = 1      # latent tensors concatenated at the UNet's input (an InstructPix2Pix editor: 2, noisy + source)
     def __init__(self, unet:UNet2DConditionModel, autoencoder:ImageAutoencoder, text_encoder:TextEncoder,
                  scheduler:DDPMScheduler, snr_gamma:float|None=None, noise_offset:float=0.0, cond_dropout:float=0.0,
                  config:LDMConfig|None=None, sample_prompts:list[str]|None=None):
@@ -148,8 +149,9 @@ class LatentDiffusion:
         self.sample_prompts = list(sample_prompts or ["", "a red circle", "a blue square", "a green triangle"])
         if unet.config.cross_attention_dim != text_encoder.hidden_size:
             raise ValueError(f"UNet cross_attention_dim {unet.config.cross_attention_dim} != text encoder hidden size {text_encoder.hidden_size}.")
-        if unet.config.in_channels != autoencoder.latent_channels:
-            raise ValueError(f"UNet in_channels {unet.config.in_channels} != autoencoder latent channels {autoencoder.latent_channels}.")
+        if unet.config.in_channels != autoencoder.latent_channels * self.input_latents:
+            raise ValueError(f"UNet in_channels {unet.config.in_channels} != {self.input_latents} x the autoencoder's {autoencoder.latent_channels} "
+                             f"latent channels: a {type(self).__name__} needs a UNet built for it.")
         self.trainable = UNetWithTextEncoder(unet, text_encoder.model) if text_encoder.trainable else unet
 
     @property
@@ -216,6 +218,11 @@ def _drop_captions(captions:list[str], p:float, rng:random.Random|None=None) -> 
     return ['' if r.random() < p else c for c in captions]
 
 @patch
+def condition(self:LatentDiffusion, batch:dict, generator:torch.Generator|None=None) -> tuple[list[str], torch.Tensor|None]:
+    "The captions the UNet reads (after `cond_dropout`) and extra input channels (None for text-to-image; an editor adds its source)."
+    return _drop_captions(batch['caption'], self.cond_dropout), None
+
+@patch
 def loss(self:LatentDiffusion, model:nn.Module, batch:dict, generator:torch.Generator|None=None) -> dict:
     "Diffusion loss of `model` (the loop's prepared `trainable`, or `self.trainable`) for `batch = {'pixel_values': (B,3,H,W) in [-1,1] (or cached 'latent_mean', 'latent_std'), 'caption': list[str]}`."
     for k in ('caption', 'pixel_values' if 'latent_mean' not in batch else 'latent_std'):
@@ -225,15 +232,16 @@ def loss(self:LatentDiffusion, model:nn.Module, batch:dict, generator:torch.Gene
         m = batch['latent_mean'].to(dev).float()
         latents = m + batch['latent_std'].to(dev).float() * torch.randn(m.shape, generator=generator, device=dev)
     else: latents = self.autoencoder.encode(batch['pixel_values'].to(dev), sample=True, generator=generator)
-    captions = _drop_captions(batch['caption'], self.cond_dropout)
+    captions, extra = self.condition(batch, generator)
     noise = torch.randn(latents.shape, generator=generator, device=dev)
     if self.noise_offset: noise = noise + self.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator, device=dev)
     t = torch.randint(0, self.scheduler.config.num_train_timesteps, (len(latents),), generator=generator, device=dev)
     noisy = self.scheduler.add_noise(latents, noise, t)
+    inp = noisy if extra is None else torch.cat([noisy, extra.to(noisy.dtype)], dim=1)
     if self.text_encoder.trainable:  # text model runs inside `trainable` (UNetWithTextEncoder)
-        pred = model(noisy, t, self.text_encoder.tokenize(captions))
+        pred = model(inp, t, self.text_encoder.tokenize(captions))
     else:
-        pred = model(noisy, t, encoder_hidden_states=self.text_encoder.encode(captions)).sample
+        pred = model(inp, t, encoder_hidden_states=self.text_encoder.encode(captions)).sample
     mse = F.mse_loss(pred.float(), diffusion_target(self.scheduler, latents, noise, t).float(), reduction='none').mean(dim=(1, 2, 3))
     w = loss_weights(self.scheduler, t, self.snr_gamma)
     return {'loss': (w * mse).mean(), 'mse': mse.mean().detach()}

@@ -97,12 +97,14 @@ def _step_kwargs(scheduler, generator, eta:float) -> dict:
 def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=None, *, guidance_scale:float=7.5,
                    steps:int=50, shape:tuple|None=None, generator=None, latents:torch.Tensor|None=None, eta:float=0.0,
                    progress:bool=True, callback:Callable|None=None, desc:str='sampling', concat:torch.Tensor|None=None,
-                   class_labels:torch.Tensor|None=None) -> torch.Tensor:
+                   class_labels:torch.Tensor|None=None, image_guidance_scale:float|None=None) -> torch.Tensor:
     "Denoise one batch from noise under text embeddings `cond` (and `uncond` for guidance); returns final latents."
     dev, dtype = unet.device, unet.dtype
-    cfg = guidance_scale != 1.0
+    three = image_guidance_scale is not None                    # InstructPix2Pix: (text + image, image, neither) streams
+    cfg = three or guidance_scale != 1.0
     if cfg and uncond is None: raise ValueError("guidance_scale != 1 needs `uncond` embeddings (the empty or negative prompt).")
-    emb = torch.cat([uncond, cond]) if cfg else cond
+    if three and concat is None: raise ValueError("image_guidance_scale guides by an image: pass its latents as `concat`.")
+    emb = torch.cat([cond, uncond, uncond]) if three else torch.cat([uncond, cond]) if cfg else cond
     emb = emb.to(dev, dtype)
     scheduler.set_timesteps(steps, device=dev)
     if hasattr(scheduler, 'set_begin_index'): scheduler.set_begin_index(0)  # count steps, never look t up: Karras spacing can repeat a timestep
@@ -112,15 +114,21 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
     ts, c = scheduler.timesteps, latents.shape[1]
     learned = (isinstance(scheduler, DDPMScheduler)      # only DDPM samples with a learned variance (DPM-Solver drops it, for
                and scheduler.config.variance_type in ('learned', 'learned_range'))   # epsilon models only); a config key alone is not enough
-    twice = lambda v: torch.cat([v] * 2) if cfg else v
-    if concat is not None: concat = twice(concat.to(dev, dtype))
+    twice = lambda v: torch.cat([v] * (3 if three else 2)) if cfg else v      # one copy per stream
+    if concat is not None:
+        concat = concat.to(dev, dtype)
+        concat = torch.cat([concat, concat, torch.zeros_like(concat)]) if three else twice(concat)
     extra = {} if class_labels is None else {'class_labels': twice(class_labels.to(dev))}
     for i, t in enumerate(tqdm(ts, desc=desc, disable=not progress, leave=False)):
         x = scheduler.scale_model_input(twice(latents), t)
         if concat is not None: x = torch.cat([x, concat], dim=1)               # the condition is never scaled
         eps = unet(x, t, encoder_hidden_states=emb, return_dict=False, **extra)[0]
         eps, var = eps.split(c, dim=1) if eps.shape[1] == 2 * c else (eps, None)  # learned variance: (noise, variance) halves
-        if cfg:
+        if three:
+            eps_ti, eps_i, eps_u = eps.chunk(3)
+            eps = eps_u + guidance_scale * (eps_ti - eps_i) + image_guidance_scale * (eps_i - eps_u)
+            if var is not None: var = var.chunk(3)[0]
+        elif cfg:
             eps_u, eps_c = eps.chunk(2)
             eps = eps_u + guidance_scale * (eps_c - eps_u)
             if var is not None: var = var.chunk(2)[1]
