@@ -19,9 +19,10 @@ from .shapes import ShapesDataset, flip_caption, flip_scene
 __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'DATA_FLAGS', 'to_rgb', 'BadImage',
            'open_image', 'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values', 'ImageTransform',
            'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder',
-           'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample', 'dist_info', 'ShardSource',
-           'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator', 'make_dataloader', 'DataConfig',
-           'is_shapes', 'shapes_prompts', 'collect_captions', 'EncodedDataset', 'encode_dataset']
+           'caption_members', 'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample',
+           'dist_info', 'ShardSource', 'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator',
+           'make_dataloader', 'DataConfig', 'is_shapes', 'shapes_prompts', 'collect_captions', 'EncodedDataset',
+           'encode_dataset']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -228,18 +229,21 @@ def _add(tf:tarfile.TarFile, name:str, data:bytes):
     ti = tarfile.TarInfo(name); ti.size, ti.mtime, ti.mode = len(data), 0, 0o644
     tf.addfile(ti, io.BytesIO(data))
 
-def write_shards(dataset, out_dir, prefix:str='shapes', samples_per_shard:int=1000, image_format:str='png') -> list[Path]:
-    "Write `dataset` items as WebDataset tar shards `{prefix}-000000.tar`, ...; returns their paths."
+def caption_members(it:dict, image_format:str='png') -> list[tuple[str, bytes]]:
+    "The tar members of one captioned item: image, canonical caption, and a JSON of every caption and the scene."
+    return [(image_format, _png(it['image'], image_format)), ('txt', it['captions'][0].encode()),
+            ('json', json.dumps({'captions': it['captions'], 'scene': it.get('scene')}).encode())]
+
+def write_shards(dataset, out_dir, prefix:str='shapes', samples_per_shard:int=1000, image_format:str='png',
+                 members=caption_members) -> list[Path]:
+    "Write `dataset` items as WebDataset tar shards `{prefix}-000000.tar`, ...; `members(item, image_format)` gives each item's (suffix, bytes) files; returns the paths."
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     paths = []
     for s0 in range(0, len(dataset), samples_per_shard):
         p = out/f"{prefix}-{s0 // samples_per_shard:06d}.tar"
         with tarfile.open(p, 'w', format=tarfile.USTAR_FORMAT) as tf:
             for i in range(s0, min(s0 + samples_per_shard, len(dataset))):
-                it, key = dataset[i], f"{prefix}-{i:08d}"
-                _add(tf, f"{key}.{image_format}", _png(it['image'], image_format))
-                _add(tf, f"{key}.txt", it['captions'][0].encode())
-                _add(tf, f"{key}.json", json.dumps({'captions': it['captions'], 'scene': it.get('scene')}).encode())
+                for suffix, data in members(dataset[i], image_format): _add(tf, f"{prefix}-{i:08d}.{suffix}", data)
         paths.append(p)
     return paths
 

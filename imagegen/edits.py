@@ -4,7 +4,7 @@
 
 # %% ../nbs/01c_edits.ipynb #6f25a4bd
 from __future__ import annotations
-import json, tarfile
+import json
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -13,11 +13,11 @@ from PIL import Image
 from .shapes import (SIZES, POSITIONS, RELATIONS, SPLITS, HELD_OUT, COLOR_WORDS, SHAPE_WORDS, SIZE_WORDS,
                              POSITION_WORDS, RELATION_WORDS, ShapeObject, Scene, render, color_shape_pairs, match_objects,
                              ShapesOracle, _jitter, _classify_relation)
-from .data import _png, _add, shard_pattern
+from .data import _png, write_shards
 
 # %% auto #0
 __all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'ShapeEdit', 'edit_instructions', 'sample_edit',
-           'ShapesEdits', 'score_edit', 'edit_report', 'write_edit_folder', 'write_edit_shards']
+           'ShapesEdits', 'score_edit', 'edit_report', 'write_edit_folder', 'edit_members', 'write_edit_shards']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -218,18 +218,12 @@ def write_edit_folder(dataset, out_dir, image_format:str='png') -> Path:
             f.write(json.dumps({**row, 'edit_prompts': it.get('edit_prompts', [it['edit_prompt']]), 'edit': it.get('edit')}) + '\n')
     return out
 
+def edit_members(it:dict, image_format:str='png') -> list[tuple[str, bytes]]:
+    "The tar members of one edit triple: both images, the instruction, and a JSON of every phrasing and the edit."
+    return [(f"input_image.{image_format}", _png(it['input_image'], image_format)),
+            (f"edited_image.{image_format}", _png(it['edited_image'], image_format)), ('edit_prompt.txt', it['edit_prompt'].encode()),
+            ('json', json.dumps({'edit_prompts': it.get('edit_prompts', [it['edit_prompt']]), 'edit': it.get('edit')}).encode())]
+
 def write_edit_shards(dataset, out_dir, prefix:str='shapes-edits', samples_per_shard:int=1000, image_format:str='png') -> list[Path]:
     "Write edit triples as WebDataset tar shards `{prefix}-000000.tar`, ...; returns their paths."
-    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for s0 in range(0, len(dataset), samples_per_shard):
-        p = out/f"{prefix}-{s0 // samples_per_shard:06d}.tar"
-        with tarfile.open(p, 'w', format=tarfile.USTAR_FORMAT) as tf:
-            for i in range(s0, min(s0 + samples_per_shard, len(dataset))):
-                it, key = dataset[i], f"{prefix}-{i:08d}"
-                _add(tf, f"{key}.input_image.{image_format}", _png(it['input_image'], image_format))
-                _add(tf, f"{key}.edited_image.{image_format}", _png(it['edited_image'], image_format))
-                _add(tf, f"{key}.edit_prompt.txt", it['edit_prompt'].encode())
-                _add(tf, f"{key}.json", json.dumps({'edit_prompts': it.get('edit_prompts', [it['edit_prompt']]), 'edit': it.get('edit')}).encode())
-        paths.append(p)
-    return paths
+    return write_shards(dataset, out_dir, prefix, samples_per_shard, image_format, members=edit_members)
