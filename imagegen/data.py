@@ -356,7 +356,8 @@ class ShardSource(IterableDataset):
     "Streams WebDataset tar shards, sharded over ranks and DataLoader workers, with resampling and epochs."
     def __init__(self, urls, transform:ImageTransform, resampled:bool=True, epoch_size:int|None=None,
                  shuffle_buffer:int=1000, seed:int=0, rank:int|None=None, world_size:int|None=None,
-                 min_side:int=8, max_pixels:int=64_000_000, max_bad_frac:float=0.05):
+                 min_side:int=8, max_pixels:int=64_000_000, max_bad_frac:float=0.05, decode=None):
+        self.decode = decode or decode_sample      # (key, parts, transform, min_side, max_pixels) -> (sample, reason, note)
         self.urls, self.transform, self.resampled, self.epoch_size = expand_urls(urls), transform, resampled, epoch_size
         self.shuffle_buffer, self.seed, self.min_side, self.max_pixels = shuffle_buffer, seed, min_side, max_pixels
         self.rank, self.world_size = dist_info(rank, world_size)
@@ -413,7 +414,7 @@ def _stream(self:ShardSource):
     def samples():
         n_bad = len(self.log.skipped)
         for key, parts in raw:
-            s, reason, note = decode_sample(key, parts, self.transform, self.min_side, self.max_pixels)
+            s, reason, note = self.decode(key, parts, self.transform, self.min_side, self.max_pixels)
             if s is None: self.log.bad(key, reason); continue
             self.log.good(key, note)
             # bad samples and broken shards met since the last good one travel with it to the training loop
@@ -456,18 +457,20 @@ class HFSource(Dataset):
         self.ds, self.transform, self.min_side, self.max_pixels, self.max_retries = ds, transform, min_side, max_pixels, max_retries
         self.log, self._bad = BadSampleLog(name or 'hf dataset', max_bad_frac, total=len(ds)), set()
     def __len__(self): return len(self.ds)
-    def _load(self, i:int) -> dict:
-        row = self.ds[i]
-        v, name = row[self.image_column], f"{self.log.source}[{i}]"
+    def _image(self, v, name:str) -> tuple[Image.Image, str|None, str]:
+        "An image cell (undecoded `{'bytes', 'path'}`, a PIL image or a path) opened and checked: (image, note, its name)."
         if isinstance(v, dict):
             name = v.get('path') or name
             src = v['bytes'] if v.get('bytes') else v.get('path')
         else: src = v
+        if isinstance(src, Image.Image): return to_rgb(src), None, name
+        if src is None: raise BadImage("no image")
+        return (*open_image(src, self.min_side, self.max_pixels, self.transform.resolution), name)
+    def _load(self, i:int) -> dict:
+        row = self.ds[i]
         caps = caption_list(row[self.caption_column])
         if not caps: raise BadImage("missing or empty caption")
-        if isinstance(src, Image.Image): img, note = to_rgb(src), None
-        elif src is None: raise BadImage("no image")
-        else: img, note = open_image(src, self.min_side, self.max_pixels, self.transform.resolution)
+        img, note, name = self._image(row[self.image_column], f"{self.log.source}[{i}]")
         x, caps, scene = self.transform(img, caps, row.get('scene'))
         self.log.good(name, note)
         return {'pixel_values': x, 'captions': caps, 'scene': scene, 'key': str(name)}
@@ -543,6 +546,7 @@ class CaptionCollator:
             caps.append('' if self.caption_dropout and float(torch.rand(())) < self.caption_dropout else c)
         tensors = {k: torch.stack([s[k] for s in samples]) for k, v in samples[0].items() if isinstance(v, torch.Tensor)}
         out = {**tensors, 'caption': caps, 'scene': [s.get('scene') for s in samples], 'key': [s.get('key') for s in samples]}
+        if 'edit' in samples[0]: out['edit'] = [s.get('edit') for s in samples]     # edit triples (imagegen.edits)
         if any('skipped' in s for s in samples): out['skipped'] = torch.tensor(sum(s.get('skipped', 0) for s in samples))
         return out
 

@@ -13,11 +13,14 @@ from PIL import Image
 from .shapes import (SIZES, POSITIONS, RELATIONS, SPLITS, HELD_OUT, COLOR_WORDS, SHAPE_WORDS, SIZE_WORDS,
                              POSITION_WORDS, RELATION_WORDS, ShapeObject, Scene, render, color_shape_pairs, match_objects,
                              ShapesOracle, _jitter, _classify_relation)
-from .data import _png, write_shards
+from functools import partial
+from .data import (_png, write_shards, ImageTransform, HFSource, ShardSource, BadImage, BadSampleLog, IMAGE_EXTS,
+                           caption_list, open_image, load_hf, looks_like_path, _is_shards, _parse_options)
 
 # %% auto #0
 __all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'ShapeEdit', 'edit_instructions', 'sample_edit',
-           'ShapesEdits', 'score_edit', 'edit_report', 'write_edit_folder', 'edit_members', 'write_edit_shards']
+           'ShapesEdits', 'score_edit', 'edit_report', 'write_edit_folder', 'edit_members', 'write_edit_shards',
+           'decode_edit_sample', 'EditHFSource', 'ShapesEditSource', 'make_edit_dataset']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -227,3 +230,84 @@ def edit_members(it:dict, image_format:str='png') -> list[tuple[str, bytes]]:
 def write_edit_shards(dataset, out_dir, prefix:str='shapes-edits', samples_per_shard:int=1000, image_format:str='png') -> list[Path]:
     "Write edit triples as WebDataset tar shards `{prefix}-000000.tar`, ...; returns their paths."
     return write_shards(dataset, out_dir, prefix, samples_per_shard, image_format, members=edit_members)
+
+# %% ../nbs/01c_edits.ipynb #5d45b6ea
+def decode_edit_sample(key:str, parts:dict, transform:ImageTransform, min_side:int=8, max_pixels:int=64_000_000,
+                       columns:tuple=EDIT_COLUMNS) -> tuple[dict|None, str|None, str|None]:
+    "(sample, None, note) for a good edit triple of a shard (members `KEY.<column>.png` ...), or (None, reason, None)."
+    src_col, prompt_col, dst_col = columns
+    img = lambda col: next((e for e in parts if e.startswith(col + '.') and '.' + e.rsplit('.', 1)[-1] in IMAGE_EXTS), None)
+    names = {c: img(c) for c in (src_col, dst_col)}
+    if missing := [c for c, e in names.items() if e is None]: return None, f"no {' or '.join(missing)} image member (has {sorted(parts)})", None
+    meta = {}
+    if 'json' in parts:
+        try: meta = json.loads(parts['json'])
+        except (json.JSONDecodeError, UnicodeDecodeError) as e: return None, f"invalid json member ({e})", None
+    caps = caption_list(meta.get('edit_prompts')) or caption_list(parts.get(f'{prompt_col}.txt') or parts.get(prompt_col))
+    if not caps: return None, "missing or empty edit prompt", None
+    out, notes = {}, []
+    for col, field in ((dst_col, 'pixel_values'), (src_col, 'input_pixel_values')):
+        try: im, note = open_image(parts[names[col]], min_side, max_pixels, transform.resolution)
+        except BadImage as e: return None, f"{key}.{names[col]}: {e}", None
+        out[field] = transform(im, caps)[0]
+        if note: notes.append(note)
+    return {**out, 'captions': caps, 'edit': meta.get('edit'), 'key': key}, None, '; '.join(notes) or None
+
+class EditHFSource(HFSource):
+    "A `datasets.Dataset` of edit triples (diffusers' InstructPix2Pix columns by default) as loader samples, bad rows skipped."
+    def __init__(self, ds, transform:ImageTransform, columns:tuple=EDIT_COLUMNS, min_side:int=8, max_pixels:int=64_000_000,
+                 max_bad_frac:float=0.05, max_retries:int=50, name:str=''):
+        import datasets
+        if missing := [c for c in columns if c not in ds.column_names]:
+            raise ValueError(f"{name or 'dataset'} has no column(s) {missing} (it has {ds.column_names}): pass original_image_column=, "
+                             "edit_prompt_column=, edited_image_column= as diffusers' InstructPix2Pix example takes them.")
+        for c in (columns[0], columns[2]):
+            if isinstance(ds.features[c], datasets.Image): ds = ds.cast_column(c, datasets.Image(decode=False))
+        self.columns, self.ds, self.transform, self.min_side, self.max_pixels, self.max_retries = columns, ds, transform, min_side, max_pixels, max_retries
+        self.log, self._bad = BadSampleLog(name or 'hf dataset', max_bad_frac, total=len(ds)), set()
+    def _load(self, i:int) -> dict:
+        row, (src_col, prompt_col, dst_col) = self.ds[i], self.columns
+        caps = caption_list(row.get('edit_prompts')) or caption_list(row[prompt_col])
+        if not caps: raise BadImage("missing or empty edit prompt")
+        dst, note, name = self._image(row[dst_col], f"{self.log.source}[{i}]")
+        src, _, _ = self._image(row[src_col], f"{self.log.source}[{i}]")
+        self.log.good(name, note)
+        return {'pixel_values': self.transform(dst, caps)[0], 'input_pixel_values': self.transform(src, caps)[0], 'captions': caps,
+                'edit': row.get('edit'), 'key': str(name)}
+
+class ShapesEditSource(torch.utils.data.Dataset):
+    "`ShapesEdits` as loader samples."
+    def __init__(self, edits:ShapesEdits): self.edits, self.transform = edits, ImageTransform(edits.resolution)
+    def __len__(self): return len(self.edits)
+    def __getitem__(self, i:int) -> dict:
+        it = self.edits[i]
+        return {'pixel_values': self.transform(it['edited_image'], [])[0], 'input_pixel_values': self.transform(it['input_image'], [])[0],
+                'captions': it['edit_prompts'], 'edit': it['edit'], 'key': f"shapes-edits/{self.edits.split}/{i:06d}"}
+
+def make_edit_dataset(source, resolution:int=32, split:str='train', *, original_image_column:str='input_image',
+                      edit_prompt_column:str='edit_prompt', edited_image_column:str='edited_image', crop:str='center', flip_p:float=0.,
+                      cache_dir:str|None=None, resampled:bool=True, epoch_size:int|None=None, shuffle_buffer:int=1000, seed:int=0,
+                      rank:int|None=None, world_size:int|None=None, min_side:int=8, max_pixels:int=64_000_000,
+                      max_bad_frac:float=0.05, **kwargs):
+    "Loader samples `{'pixel_values' (edited), 'input_pixel_values' (source), 'captions', 'edit', 'key'}` of edit triples from `source`."
+    if crop != 'center' or flip_p:
+        raise ValueError("Edit data takes the centre crop without flips: a random crop or a flip would need the same draw on both images "
+                         "(and 'left'/'right' swapped in the instruction). Use crop='center', flip_p=0.")
+    tf, columns = ImageTransform(resolution), (original_image_column, edit_prompt_column, edited_image_column)
+    bad = dict(min_side=min_side, max_pixels=max_pixels, max_bad_frac=max_bad_frac)
+    if isinstance(source, str) and (source == 'shapes' or source.startswith('shapes:')):
+        opts = {**_parse_options(source.partition(':')[2]), **kwargs}
+        return ShapesEditSource(ShapesEdits(split, resolution, seed=opts.pop('seed', seed), **opts))
+    if _is_shards(source):
+        return ShardSource(source, tf, resampled, epoch_size, shuffle_buffer, seed, rank, world_size, **bad,
+                           decode=partial(decode_edit_sample, columns=columns))
+    from datasets import load_dataset
+    if isinstance(source, (str, Path)) and Path(source).is_dir():
+        root = Path(source)
+        if not (root/'metadata.jsonl').exists() and (root/split/'metadata.jsonl').exists(): root = root/split
+        ds = load_dataset('imagefolder', data_dir=str(root), split='train', cache_dir=cache_dir)
+        return EditHFSource(ds, tf, columns, name=str(root), **bad)
+    name = str(source).removeprefix('hf:')
+    if not str(source).startswith('hf:') and looks_like_path(name):
+        raise FileNotFoundError(f"edit dataset {name} does not exist (a local path, not a Hub id: checked before any download).")
+    return EditHFSource(load_hf(name, split, cache_dir=cache_dir, **kwargs), tf, columns, name=name, **bad)
