@@ -4,7 +4,7 @@
 
 # %% ../../nbs/04e_edit.ipynb #b35e2f01
 from __future__ import annotations
-import copy, json
+import copy, json, warnings
 from pathlib import Path
 import numpy as np
 import torch
@@ -15,7 +15,6 @@ from fastcore.basics import patch
 from ..data import to_rgb
 from .ldm import LatentDiffusion, LDM_FILE
 from .sampling import make_scheduler, sample_latents
-from ..grids import to_pil
 
 # %% auto #0
 __all__ = ['expand_conv_in', 'edit_dropout_masks', 'LatentEditor', 'prepare_sources']
@@ -81,7 +80,7 @@ def prepare_sources(images, resolution:int) -> torch.Tensor:
         if images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(f"Source images as a tensor must be (B, 3, H, W) in [-1, 1], got shape {tuple(images.shape)}.")
         if images.shape[-2:] != (resolution, resolution):
-            import warnings; warnings.warn(f"source images are {tuple(images.shape[-2:])}; resizing to the model's {resolution}x{resolution}.")
+            warnings.warn(f"source images are {tuple(images.shape[-2:])}; resizing to the model's {resolution}x{resolution}.")
             images = torch.nn.functional.interpolate(images.float(), size=(resolution, resolution), mode='bicubic', antialias=True)
         return images.float().clamp(-1, 1)
     if isinstance(images, Image.Image): images = [images]
@@ -90,7 +89,7 @@ def prepare_sources(images, resolution:int) -> torch.Tensor:
         if not isinstance(im, Image.Image): raise TypeError(f"source image {i} is a {type(im).__name__}; pass PIL images or a tensor.")
         im = to_rgb(im)
         if im.size != (resolution, resolution):
-            import warnings; warnings.warn(f"source image {i} is {im.size[0]}x{im.size[1]}; resizing to the model's {resolution}x{resolution}.")
+            warnings.warn(f"source image {i} is {im.size[0]}x{im.size[1]}; resizing to the model's {resolution}x{resolution}.")
             im = im.resize((resolution, resolution), Image.BICUBIC)
         out.append(torch.from_numpy(np.asarray(im, np.float32) / 127.5 - 1).permute(2, 0, 1))
     return torch.stack(out)
