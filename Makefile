@@ -57,8 +57,14 @@ test: check sysdeps
 #   FAMILY=glide:         tiny GLIDE base at 32 px -> tiny 32->128 upsampler (recipes scripts/configs/main_glide.yaml,
 #                         main_glide_upsampler.yaml); Shapes is also rendered at 128 px for the upsampler
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
-# VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt) and GLIDE_STEPS / UP_STEPS (glide) override the recipes' step counts.
+# TASK=edit (FAMILY=ldm or gpt): the family's text-to-image model above (trained first unless MAIN already holds it) is
+#   fine-tuned into an instruction-based editor on Shapes edits (recipe scripts/configs/main_edit_FAMILY.yaml), then
+#   held-out edits are sampled and scored: edit accuracy (change made, rest unchanged), per kind, SSIM to the target.
+# VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt), GLIDE_STEPS / UP_STEPS (glide) and EDIT_STEPS (TASK=edit)
+# override the recipes' step counts.
 FAMILY ?= ldm
+TASK ?= t2i
+EDIT_STEPS ?=
 MAIN ?= runs/main
 VAE_STEPS ?=
 LDM_STEPS ?=
@@ -99,15 +105,28 @@ define TRAIN_glide
 	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples/base
 	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 10
 endef
+T2I_ldm := $(MAIN)/ldm/model
+T2I_gpt := $(MAIN)/gpt/model
+define EDIT
+	$(LAUNCH) scripts/train_edit.py --config scripts/configs/main_edit_$(FAMILY).yaml --pretrained_model_name_or_path $(T2I_$(FAMILY)) \
+	  --output_dir $(MAIN)/$(FAMILY)-edit $(if $(EDIT_STEPS),--max_train_steps $(EDIT_STEPS))
+	$(PY) scripts/sample.py --model $(MAIN)/$(FAMILY)-edit/model --shapes_edit_split test --n $(N_EVAL) --out $(MAIN)/$(FAMILY)-edit-samples
+	$(PY) scripts/evaluate.py --samples $(MAIN)/$(FAMILY)-edit-samples
+endef
 SAMPLES_ldm := $(MAIN)/samples
 SAMPLES_gpt := $(MAIN)/gpt-samples
 SAMPLES_glide := $(MAIN)/glide-samples
+SAMPLES = $(if $(filter edit,$(TASK)),$(MAIN)/$(FAMILY)-edit-samples,$(SAMPLES_$(FAMILY)))
+# TASK=edit trains the text-to-image model only when MAIN holds none (all recipe lines are expanded before the first runs)
+HAVE_T2I = $(wildcard $(T2I_$(FAMILY))/model_index.json $(T2I_$(FAMILY))/imagegen_gpt.json)
 main: check
 	@case "$(FAMILY)" in ldm|gpt|glide) ;; *) echo "FAMILY=$(FAMILY): choose ldm, gpt or glide"; exit 2;; esac
+	@case "$(TASK)/$(FAMILY)" in t2i/*|edit/ldm|edit/gpt) ;; *) echo "TASK=$(TASK) FAMILY=$(FAMILY): TASK is t2i, or edit with FAMILY=ldm or gpt"; exit 2;; esac
 	$(BIN)/imagegen-diagnose
 	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
-	$(TRAIN_$(FAMILY))
-	@echo "grid: $(SAMPLES_$(FAMILY))/grid.png  metrics: $(SAMPLES_$(FAMILY))/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
+	$(if $(and $(filter edit,$(TASK)),$(HAVE_T2I)),@echo "TASK=edit: starting from the text-to-image model in $(T2I_$(FAMILY))",$(TRAIN_$(FAMILY)))
+	$(if $(filter edit,$(TASK)),$(EDIT))
+	@echo "grid: $(SAMPLES)/grid.png  metrics: $(SAMPLES)/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
 
 # the distributed check alone (2 CPU ranks here, every GPU on a GPU node)
 diagnose: install

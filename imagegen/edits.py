@@ -4,8 +4,9 @@
 
 # %% ../nbs/01c_edits.ipynb #6f25a4bd
 from __future__ import annotations
-import json
+import json, warnings
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 import numpy as np
 import torch
@@ -14,13 +15,15 @@ from .shapes import (SIZES, POSITIONS, RELATIONS, SPLITS, HELD_OUT, COLOR_WORDS,
                              POSITION_WORDS, RELATION_WORDS, ShapeObject, Scene, render, color_shape_pairs, match_objects,
                              ShapesOracle, _jitter, _classify_relation)
 from functools import partial
-from .data import (_png, write_shards, ImageTransform, HFSource, ShardSource, BadImage, BadSampleLog, IMAGE_EXTS,
-                           caption_list, open_image, load_hf, looks_like_path, _is_shards, _parse_options)
+from .config import Config, ConfigError
+from .data import (DataConfig, _png, write_shards, ImageTransform, HFSource, ShardSource, BadImage, BadSampleLog, IMAGE_EXTS,
+                           caption_list, open_image, load_hf, looks_like_path, to_rgb, _is_shards, _parse_options)
 
 # %% auto #0
 __all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'ShapeEdit', 'edit_instructions', 'sample_edit',
            'ShapesEdits', 'score_edit', 'edit_report', 'write_edit_folder', 'edit_members', 'write_edit_shards',
-           'decode_edit_sample', 'EditHFSource', 'ShapesEditSource', 'make_edit_dataset']
+           'decode_edit_sample', 'EditHFSource', 'ShapesEditSource', 'make_edit_dataset', 'edit_dropout_masks',
+           'prepare_sources', 'edit_sample_grid', 'EditDataConfig', 'EditConfig', 'make_edit_optimizer']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -311,3 +314,111 @@ def make_edit_dataset(source, resolution:int=32, split:str='train', *, original_
     if not str(source).startswith('hf:') and looks_like_path(name):
         raise FileNotFoundError(f"edit dataset {name} does not exist (a local path, not a Hub id: checked before any download).")
     return EditHFSource(load_hf(name, split, cache_dir=cache_dir, **kwargs), tf, columns, name=name, **bad)
+
+# %% ../nbs/01c_edits.ipynb #2e728ad3
+def edit_dropout_masks(n:int, p:float, generator:torch.Generator|None=None) -> tuple[torch.Tensor, torch.Tensor]:
+    "Boolean masks `(drop_text, drop_image)` of `n` samples: each is True with probability 2p, both with probability p."
+    if not 0 <= p <= 1 / 3: raise ValueError(f"conditioning_dropout_prob must be in [0, 1/3] (diffusers' default: 0.05), got {p}.")
+    r = torch.rand(n, generator=generator)
+    return r < 2 * p, (r >= p) & (r < 3 * p)
+
+# %% ../nbs/01c_edits.ipynb #f141ccf8
+def prepare_sources(images, resolution:int) -> torch.Tensor:
+    "`(B, 3, resolution, resolution)` in [-1, 1] from PIL images (converted to RGB, resized with a warning) or a tensor."
+    if isinstance(images, torch.Tensor):
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"Source images as a tensor must be (B, 3, H, W) in [-1, 1], got shape {tuple(images.shape)}.")
+        if images.shape[-2:] != (resolution, resolution):
+            warnings.warn(f"source images are {tuple(images.shape[-2:])}; resizing to the model's {resolution}x{resolution}.")
+            images = torch.nn.functional.interpolate(images.float(), size=(resolution, resolution), mode='bicubic', antialias=True)
+        return images.float().clamp(-1, 1)
+    if isinstance(images, Image.Image): images = [images]
+    out = []
+    for i, im in enumerate(images):
+        if not isinstance(im, Image.Image): raise TypeError(f"source image {i} is a {type(im).__name__}; pass PIL images or a tensor.")
+        im = to_rgb(im)
+        if im.size != (resolution, resolution):
+            warnings.warn(f"source image {i} is {im.size[0]}x{im.size[1]}; resizing to the model's {resolution}x{resolution}.")
+            im = im.resize((resolution, resolution), Image.BICUBIC)
+        out.append(torch.from_numpy(np.asarray(im, np.float32) / 127.5 - 1).permute(2, 0, 1))
+    return torch.stack(out)
+
+# %% ../nbs/01c_edits.ipynb #e875bd08
+def edit_sample_grid(editor, n:int|None=None, **kwargs) -> tuple[list, list[str]]:
+    "Images and captions for the loop's grids: each of `editor`'s first `n` `sample_sources`, then its `edit` by the matching `sample_prompts`."
+    from imagegen.grids import to_pil
+    prompts = editor.sample_prompts[:n] if n else editor.sample_prompts
+    sources = getattr(editor, 'sample_sources', None)
+    if not sources: return [], []
+    sources = [sources[i % len(sources)] for i in range(len(prompts))]
+    edited = to_pil(editor.edit(sources, prompts, **kwargs), value_range=(-1, 1))
+    return [im for pair in zip(sources, edited) for im in pair], [c for p in prompts for c in ('source', p)]
+
+# %% ../nbs/01c_edits.ipynb #33d114fe
+@dataclass
+class EditDataConfig(DataConfig):
+    "The data section of an editing run: `DataConfig` plus the source / instruction / edited column names."
+    dataset: str = 'shapes'                      # 'shapes[:opts]' (Shapes edits), an edit image folder, WebDataset shards or a Hub dataset id
+    original_image_column: str = 'input_image'   # the source image column / shard member
+    edit_prompt_column: str = 'edit_prompt'      # the instruction column / shard member
+    edited_image_column: str = 'edited_image'    # the edited (target) image column / shard member
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.caption_dropout: raise ConfigError(f"EditDataConfig.caption_dropout={self.caption_dropout}: editors drop instructions themselves "
+                                                   "(conditioning_dropout_prob in the model section); leave it at 0.")
+        if self.random_flip or not self.center_crop:
+            raise ConfigError("EditDataConfig: edit triples take the centre crop without flips (random_flip=False, center_crop=True): "
+                              "a crop or flip would have to be the same on both images, and a flip swaps 'left' and 'right' in the instruction.")
+
+    def make_dataset(self, resolution:int, **kwargs):
+        "The edit triples of `self.dataset` at `resolution` (`make_edit_dataset`)."
+        return make_edit_dataset(self.dataset, resolution, self.split, original_image_column=self.original_image_column,
+                                 edit_prompt_column=self.edit_prompt_column, edited_image_column=self.edited_image_column,
+                                 cache_dir=self.cache_dir, max_bad_frac=self.max_bad_frac, epoch_size=self.epoch_size,
+                                 shuffle_buffer=self.shuffle_buffer, **kwargs)
+
+# %% ../nbs/01c_edits.ipynb #5d09051f
+@dataclass
+class EditConfig(Config):
+    "The model section of an editing run: the checkpoint it starts from and the conditioning dropout."
+    pretrained_model_name_or_path: str|None = None  # a text-to-image model (latent diffusion or latent GPT) to turn into an editor, or an editor to fine-tune
+    revision: str|None = None                 # Hub revision of the pretrained model
+    conditioning_dropout_prob: float = 0.05   # instruction dropped in 2p of the samples, the source in 2p, both in p
+    train_text_encoder: bool|None = None      # None: as the checkpoint's run did
+    source_lr_scale: float = 1.0              # learning-rate multiplier of the weights that read the source (see the editors)
+    cache_dir: str|None = None                # Hub cache
+
+    presets: ClassVar[dict[str, dict]] = {'default': {}}
+
+    def __post_init__(self):
+        if not 0 <= self.conditioning_dropout_prob <= 1 / 3:
+            raise ConfigError(f"EditConfig.conditioning_dropout_prob={self.conditioning_dropout_prob}: must be in [0, 1/3] (diffusers' default 0.05).")
+        if not self.source_lr_scale > 0: raise ConfigError(f"EditConfig.source_lr_scale={self.source_lr_scale}: must be > 0 (1: the run's learning rate).")
+
+    @property
+    def family(self) -> str:
+        "'gpt' for a latent GPT folder, else 'ldm' (a diffusers folder or Hub id)."
+        return 'gpt' if self.pretrained_model_name_or_path and (Path(self.pretrained_model_name_or_path)/'imagegen_gpt.json').exists() else 'ldm'
+
+    def build(self):
+        "The editor: `pretrained_model_name_or_path` loaded by its family and made an editor (if it is not one already)."
+        p = self.pretrained_model_name_or_path
+        if not p: raise ConfigError("EditConfig.pretrained_model_name_or_path is not set: an editor starts from a text-to-image model "
+                                    "(the model/ folder of a train_ldm.py or train_gpt.py run) or an editor; pass --pretrained_model_name_or_path.")
+        if looks_like_path(p) and not Path(p).exists(): raise FileNotFoundError(f"--pretrained_model_name_or_path {p} does not exist.")
+        if self.family == 'gpt':
+            from imagegen.ar.edit import GPTEditor
+            return GPTEditor.from_edit_config(self)
+        from imagegen.diffusion.edit import LatentEditor
+        return LatentEditor.from_edit_config(self)
+
+# %% ../nbs/01c_edits.ipynb #62f1db36
+def make_edit_optimizer(editor, model:torch.nn.Module, cfg, source_params:tuple[str, ...]) -> torch.optim.Optimizer:
+    "The editors' optimiser hook: the text-to-image model's AdamW groups, with the parameters named (or ending in) `source_params` at `editor.source_lr_scale` times the rate."
+    from imagegen.training.loop import make_optimizer
+    te_lr = editor.config.text_encoder_lr if editor.config else None
+    lr_by = {'text_model.': te_lr} if te_lr is not None and editor.text_encoder.trainable else {}
+    if (scale := getattr(editor, 'source_lr_scale', 1.0)) != 1.0:
+        lr_by = {n: cfg.lr * scale for n, _ in model.named_parameters() if any(n == s or n.endswith('.' + s) for s in source_params)} | lr_by
+    return make_optimizer(model, cfg, lr_by or None)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07b_interactive.ipynb #03e49fd8
 from __future__ import annotations
-import html, io, math, time, traceback
+import html, io, json, math, time, traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -14,7 +14,10 @@ from PIL import Image
 from accelerate import PartialState
 import torch
 from transformers import LogitsProcessor
+from .ar.edit import GPTEditor
 from .ar.task import GPT_FILE, TextToImageGPT
+from .data import open_image, to_rgb
+from .diffusion.edit import LatentEditor, is_edit_folder
 from .diffusion.glide import GLIDE_FILE, GlideDiffusion
 from .diffusion.ldm import LatentDiffusion
 from .grids import make_grid, save_grid, to_pil
@@ -24,8 +27,8 @@ from .shapes import (COLOR_WORDS, POSITION_WORDS, RELATION_WORDS, SHAPE_WORDS, S
 
 # %% auto #0
 __all__ = ['MAX_BATCH', 'GENERATOR_ADAPTERS', 'VERDICT_KEYS', 'GenerationRequest', 'ImageGenerator', 'DiffusionGenerator',
-           'GPTGenerator', 'as_generator', 'ShapesPrompt', 'parse_prompt', 'shapes_verdict', 'verdict_html',
-           'GenerationUI']
+           'GPTGenerator', 'EditGenerator', 'as_generator', 'ShapesPrompt', 'parse_prompt', 'shapes_verdict',
+           'verdict_html', 'GenerationUI']
 
 # %% ../nbs/07b_interactive.ipynb #ee3fa3aa
 MAX_BATCH = 64   # images per click; more belongs in scripts/sample.py
@@ -40,6 +43,8 @@ class GenerationRequest:
     guidance:float = 4.0            # classifier-free guidance scale (1 = off)
     seed:int = 0
     batch_size:int = 4
+    source:Image.Image|None = None  # editors: the image to edit
+    image_guidance:float = 1.5      # editors: guidance toward the source (1 = off)
     @property
     def seeds(self) -> list[int]: return [self.seed + i for i in range(self.batch_size)]
 
@@ -57,6 +62,10 @@ class GenerationRequest:
             bad('Seed', f"must be a non-negative integer below 2**63 - {MAX_BATCH}, got {self.seed}.")
         if not (math.isfinite(self.guidance) and self.guidance >= 0):
             bad('Guidance', f"must be a finite number >= 0 (1 turns guidance off), got {self.guidance}.")
+        if not (math.isfinite(self.image_guidance) and self.image_guidance >= 0):
+            bad('Image guidance', f"must be a finite number >= 0 (1 turns it off), got {self.image_guidance}.")
+        if self.source is not None and not isinstance(self.source, Image.Image):
+            bad('Source image', f"expected a PIL image, got {type(self.source).__name__}.")
         return self
 
 # %% ../nbs/07b_interactive.ipynb #d2b0b982
@@ -108,16 +117,42 @@ class GPTGenerator:
         return to_pil(t2i.generate([r.prompt] * r.batch_size, guidance_scale=r.guidance, generator=gens, logits_processor=procs),
                       value_range=(-1, 1))
 
+# %% ../nbs/07b_interactive.ipynb #0c15257a
+class EditGenerator:
+    "`ImageGenerator` over an editor of either family: the request's `source` edited by its prompt, two guidance scales, one seed per image."
+    needs_source = True
+    def __init__(self, editor:LatentEditor|GPTEditor, device=None):
+        self.editor = editor if device is None else editor.to(device)
+        self.samplers = tuple(SAMPLERS) if isinstance(editor, LatentEditor) else ()
+
+    def __call__(self, request:GenerationRequest, callback:Callable[[int, int], None]|None=None) -> list[Image.Image]:
+        r, m = request.check(self.samplers), self.editor
+        if r.source is None: raise ValueError("Source image: an editor changes an image; upload one (or pass source= to GenerationUI).")
+        if r.negative_prompt: raise ValueError("Negative prompt: an editor's unconditional streams are the empty instruction and no source; leave it empty.")
+        srcs, ps = [r.source] * r.batch_size, [r.prompt] * r.batch_size
+        if isinstance(m, LatentEditor):
+            x = m.edit(srcs, ps, num_inference_steps=r.steps, guidance_scale=r.guidance, image_guidance_scale=r.image_guidance,
+                       generator=make_generators(r.seeds), sampler=r.sampler, callback=None if callback is None else (lambda i, n, z: callback(i, n)))
+        else:
+            h, w = m.token_grid
+            x = m.edit(srcs, ps, guidance_scale=r.guidance, image_guidance_scale=r.image_guidance,
+                       generator=[torch.Generator(m.device).manual_seed(s) for s in r.seeds],
+                       logits_processor=None if callback is None else [_TokenProgress(callback, h * w)])
+        return to_pil(x, value_range=(-1, 1))
+
 # %% ../nbs/07b_interactive.ipynb #28c6acfe
-GENERATOR_ADAPTERS:dict[type, Callable] = {LatentDiffusion: DiffusionGenerator, GlideDiffusion: DiffusionGenerator,
-                                          TextToImageGPT: GPTGenerator}   # model class -> adapter(model, device)
+GENERATOR_ADAPTERS:dict[type, Callable] = {LatentEditor: EditGenerator, GPTEditor: EditGenerator,       # editors first: they are
+                                          LatentDiffusion: DiffusionGenerator, GlideDiffusion: DiffusionGenerator,   # subclasses of
+                                          TextToImageGPT: GPTGenerator}   # model class -> adapter(model, device)  # text-to-image models
 
 def as_generator(model, device=None) -> ImageGenerator:
     "An `ImageGenerator` from a model folder (a latent GPT's, a GLIDE base model's, or `LatentDiffusion.from_pretrained`), a model with an adapter, or a generator."
     if isinstance(model, (str, Path)):
         p = Path(model)
-        load = (TextToImageGPT.from_pretrained if (p/GPT_FILE).exists() else
-                GlideDiffusion.from_pretrained if (p/GLIDE_FILE).exists() else LatentDiffusion.from_pretrained)
+        gpt_edit = (p/GPT_FILE).exists() and json.loads((p/GPT_FILE).read_text()).get('task') == 'edit'
+        load = (GPTEditor.from_pretrained if gpt_edit else TextToImageGPT.from_pretrained if (p/GPT_FILE).exists() else
+                GlideDiffusion.from_pretrained if (p/GLIDE_FILE).exists() else
+                LatentEditor.from_pretrained if is_edit_folder(p) else LatentDiffusion.from_pretrained)
         model, device = load(model), device or PartialState().device
     for cls, adapter in GENERATOR_ADAPTERS.items():
         if isinstance(model, cls): return adapter(model, device)
@@ -237,15 +272,19 @@ class GenerationUI:
     "ipywidgets panel: prompt, negative prompt, sampler, steps, guidance, seed, batch size, Generate, progress, grid, Shapes verdict."
     def __init__(self, model, device=None, prompt:str='a red circle', negative_prompt:str='', sampler:str|None='dpmpp_2m',
                  steps:int=20, guidance:float=4.0, seed:int=0, batch_size:int=4, display_size:int=160,
-                 oracle:ShapesOracle|None=None, verdict:bool=True, save_dir:str|Path|None=None):
+                 oracle:ShapesOracle|None=None, verdict:bool=True, save_dir:str|Path|None=None,
+                 source:Image.Image|str|Path|None=None, image_guidance:float=1.5):
         self.generator = as_generator(model, device)
+        self.editing = bool(getattr(self.generator, 'needs_source', False))
+        self.source = None
         self.samplers = tuple(getattr(self.generator, 'samplers', ()) or ())
         self.oracle, self.use_verdict, self.display_size = oracle or ShapesOracle(), verdict, display_size
         self.save_dir = None if save_dir is None else Path(save_dir)
         sampler = self.samplers[0] if sampler is None and self.samplers else sampler
         if self.samplers: GenerationRequest(sampler=sampler).check(self.samplers)
         self.images, self.seeds, self.verdicts, self.grid, self.error, self.saved = [], [], [], None, None, None
-        self._build(prompt, negative_prompt, sampler, steps, guidance, seed, batch_size)
+        self._build(prompt, negative_prompt, sampler, steps, guidance, seed, batch_size, image_guidance)
+        if source is not None: self.set_source(source)
 
     def _repr_mimebundle_(self, **kwargs): return self.widget._repr_mimebundle_(**kwargs)
 
@@ -254,7 +293,8 @@ class GenerationUI:
 def _request(self:GenerationUI) -> GenerationRequest:
     "The controls' values, checked."
     return GenerationRequest(self.prompt.value, self.negative_prompt.value, self.sampler.value, self.steps.value,
-                             self.guidance.value, self.seed.value, self.batch_size.value).check(self.samplers)
+                             self.guidance.value, self.seed.value, self.batch_size.value, self.source,
+                             self.image_guidance.value).check(self.samplers)
 
 @patch
 def _on_step(self:GenerationUI, i:int, n:int):
@@ -264,9 +304,31 @@ def _on_step(self:GenerationUI, i:int, n:int):
 @patch
 def _on_click(self:GenerationUI, _button=None): self.generate()
 
+# %% ../nbs/07b_interactive.ipynb #97cb3897
+@patch
+def set_source(self:GenerationUI, image:Image.Image|str|Path|bytes, name:str|None=None):
+    "Use `image` (PIL, a path or encoded bytes) as the source to edit, shown in the preview."
+    if not isinstance(image, Image.Image):
+        label = name or ('the upload' if isinstance(image, bytes) else image)
+        try: image = open_image(image)[0]
+        except Exception as e: raise ValueError(f"Source image: {label} cannot be read as an image ({e}).") from None
+    self.source = to_rgb(image)
+    buf = io.BytesIO(); self.source.save(buf, format='png')
+    self.source_view.value = buf.getvalue()
+
+@patch
+def _on_upload(self:GenerationUI, change):
+    "The upload button's handler: its first file becomes the source, or the panel says why not."
+    files = change['new']
+    if not files: return
+    f = files[0]
+    try: self.set_source(bytes(f['content']), name=f.get('name'))
+    except ValueError as e: self._fail(e)
+    else: self.status.value = f"Source: {html.escape(str(f.get('name', 'upload')))} ({self.source.width}x{self.source.height})."
+
 # %% ../nbs/07b_interactive.ipynb #e8d8d9e0
 @patch
-def _build(self:GenerationUI, prompt, negative_prompt, sampler, steps, guidance, seed, batch_size):
+def _build(self:GenerationUI, prompt, negative_prompt, sampler, steps, guidance, seed, batch_size, image_guidance=1.5):
     "Create the widgets and wire the button."
     full, short = W.Layout(width='100%'), W.Layout(width='170px')
     style = {'description_width': '80px'}
@@ -284,7 +346,13 @@ def _build(self:GenerationUI, prompt, negative_prompt, sampler, steps, guidance,
     self.status, self.verdict = W.HTML(), W.HTML()
     self.image = W.Image(format='png', layout=W.Layout(max_width='100%'))
     self.button.on_click(self._on_click)
-    self.widget = W.VBox([self.prompt, self.negative_prompt,
+    self.image_guidance = W.FloatText(value=image_guidance, description='Image guid.', layout=short, style=style)
+    self.source_upload = W.FileUpload(accept='image/*', multiple=False, description='Source image')
+    self.source_view = W.Image(format='png', layout=W.Layout(max_width='160px'))
+    self.source_upload.observe(self._on_upload, names='value')
+    edit_row = [W.HBox([self.source_upload, self.image_guidance, self.source_view])] if self.editing else []
+    if self.editing: self.prompt.description, self.negative_prompt.disabled = 'Instruction', True
+    self.widget = W.VBox([*edit_row, self.prompt, self.negative_prompt,
                           W.HBox([self.sampler, self.steps, self.guidance]), W.HBox([self.seed, self.batch_size]),
                           W.HBox([self.button, self.progress]), self.status, self.image, self.verdict])
 
@@ -297,10 +365,10 @@ def _show(self:GenerationUI, images:list, seeds:list[int], prompt:str):
     self.grid = make_grid(big, captions=[f'seed {s}' for s in seeds], ncols=min(4, len(big)))
     buf = io.BytesIO(); self.grid.save(buf, format='png')
     self.image.value, self.image.layout.width = buf.getvalue(), f'{self.grid.width}px'   # pixel-exact, not stretched
-    parsed = parse_prompt(prompt) if self.use_verdict else None
+    parsed = parse_prompt(prompt) if self.use_verdict and not self.editing else None
     self.verdicts = shapes_verdict(images, parsed, self.oracle) if parsed else []
     self.verdict.value = (verdict_html(self.verdicts, seeds) if parsed else
-                          '<i>Not a Shapes prompt: no oracle verdict.</i>' if self.use_verdict else '')
+                          '<i>Not a Shapes prompt: no oracle verdict.</i>' if self.use_verdict and not self.editing else '')
     if self.save_dir is not None:
         n = len(list(self.save_dir.glob('grid_*.png'))) if self.save_dir.exists() else 0
         self.saved = save_grid(big, self.save_dir/f'grid_{n:04d}_seed{seeds[0]}.png', [f'seed {s}' for s in seeds], min(4, len(big)))

@@ -21,7 +21,7 @@ from .text import tiny_clip_tokenizer
 # %% auto #0
 __all__ = ['INCEPTION_NAME', 'to_unit_batch', 'RandomConvFeatures', 'image_features', 'fid_kid', 'CLIPFeatures', 'clip_model',
            'tiny_clip', 'clip_score', 'clip_scores', 'oracle_scores', 'rerank', 'write_ranked', 'best_of_n',
-           'evaluate_images', 'write_metrics_json', 'first_stage_report']
+           'evaluate_images', 'write_metrics_json', 'reconstruct', 'first_stage_report']
 
 # %% ../nbs/07a_metrics.ipynb #befae44e
 def to_unit_batch(images) -> torch.Tensor:
@@ -215,8 +215,12 @@ def write_metrics_json(path, metrics:dict) -> Path:
 
 # %% ../nbs/07a_metrics.ipynb #f5c59bda
 @torch.no_grad()
-def first_stage_report(autoencoder, images, scenes, oracle, batch_size:int=64, device='cpu') -> dict:
-    "The oracle's report on `autoencoder` reconstructions (encode → posterior mode → decode) of `images`, keys prefixed `first_stage/`."
+def reconstruct(autoencoder, images, batch_size:int=64, device='cpu') -> list[Image.Image]:
+    "`autoencoder`'s reconstructions (encode → posterior mode or tokens → decode) of `images`, as PIL images."
     x = to_unit_batch(images) * 2 - 1
     rec = torch.cat([autoencoder.decode(autoencoder.encode(x[i:i + batch_size].to(device))).cpu() for i in range(0, len(x), batch_size)])
-    return {f'first_stage/{k}': v for k, v in oracle.report(to_pil(rec.clamp(-1, 1), value_range=(-1, 1)), scenes).items()}
+    return to_pil(rec.clamp(-1, 1), value_range=(-1, 1))
+
+def first_stage_report(autoencoder, images, scenes, oracle, batch_size:int=64, device='cpu') -> dict:
+    "The oracle's report on `autoencoder` reconstructions of `images`, keys prefixed `first_stage/`."
+    return {f'first_stage/{k}': v for k, v in oracle.report(reconstruct(autoencoder, images, batch_size, device), scenes).items()}

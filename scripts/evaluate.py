@@ -10,9 +10,9 @@ from imagegen.config import run_cli
 from imagegen.autoencoders.kl import ImageAutoencoder
 import numpy as np
 import torch
-from imagegen.metrics import evaluate_images, first_stage_report, to_unit_batch, write_metrics_json
+from imagegen.metrics import evaluate_images, first_stage_report, reconstruct, to_unit_batch, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
-from imagegen.edits import ShapeEdit, edit_report
+from imagegen.edits import EDIT_KINDS, ShapeEdit, edit_report
 
 def read_samples(folder:Path|str) -> list[dict]:
     "Rows of `samples.jsonl` with their images loaded (clear errors for a missing index or image)."
@@ -35,12 +35,17 @@ def real_images(rows:list[dict], real:str|None) -> list[Image.Image]|None:
     if real: return [Image.open(p).convert('RGB') for p in sorted(Path(real).glob('*')) if p.suffix.lower() in ('.png', '.jpg', '.jpeg', '.webp')]
     return None
 
-def edit_metrics(rows:list[dict]) -> dict:
-    "Edit accuracy of the rows' images against their Shapes edits: the oracle's verdicts, per kind too, and SSIM to the true target render."
+def edit_metrics(rows:list[dict], first_stage=None) -> dict:
+    "Edit accuracy of the rows' images against their Shapes edits: the oracle's verdicts, per kind too, and SSIM to the true target render; with a `first_stage`, the edit accuracy of its reconstructions of the true targets (`first_stage/edit/...`, the ceiling of a model in its space)."
     edits = [ShapeEdit.from_dict(r['edit']) for r in rows]
-    rep = edit_report(ShapesOracle(), [r['image'] for r in rows], edits, [render(e.target, r['image'].size[0]) for e, r in zip(edits, rows)])
+    targets = [render(e.target, r['image'].size[0]) for e, r in zip(edits, rows)]
+    rep = edit_report(ShapesOracle(), [r['image'] for r in rows], edits, targets)
     out = {f'edit/{k}': rep[k] for k in ('correct', 'target', 'preserved', 'ssim')}
     for kind, v in rep['per_kind'].items(): out.update({f'edit/{kind}/{k}': v[k] for k in ('correct', 'target', 'preserved', 'n')})
+    if first_stage is not None:
+        ceil = edit_report(ShapesOracle(), reconstruct(first_stage, targets), edits)
+        out['first_stage/edit/correct'] = ceil['correct']
+        out.update({f'first_stage/edit/{kind}/correct': v['correct'] for kind, v in ceil['per_kind'].items()})
     return out
 
 def first_stage(rows:list[dict], which:str|None) -> Path|None:
@@ -142,7 +147,7 @@ def main(argv:list[str]|None=None) -> dict|None:
     if a.upsampler:
         if not has_scenes: raise ValueError("--upsampler is scored on the true renders of Shapes scenes: sample with --shapes_split.")
         m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler))
-    if has_edits: m.update(edit_metrics(rows))
+    if has_edits: m.update(edit_metrics(rows, ae))
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
     if has_edits:
@@ -150,6 +155,9 @@ def main(argv:list[str]|None=None) -> dict|None:
               f"{m['edit/target']:.3f}, rest unchanged {m['edit/preserved']:.3f}, SSIM to the target {m['edit/ssim']:.3f}")
     if 'first_stage/color_and_shape' in m:
         print(f"first-stage ceiling (oracle on {stage_dir.name} reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
+    if 'first_stage/edit/correct' in m:
+        print(f"first-stage ceiling of edit accuracy ({stage_dir.name} reconstructions of the true targets): {m['first_stage/edit/correct']:.3f} ("
+              + ', '.join(f"{k} {m[f'first_stage/edit/{k}/correct']:.2f}" for k in EDIT_KINDS if f'first_stage/edit/{k}/correct' in m) + ')')
     if 'first_stage/codebook_usage' in m:
         print(f"codebook usage on the true images: {m['first_stage/codebook_usage']:.3f} of {m['first_stage/codebook_size']} codes "
               f"(perplexity {m['first_stage/codebook_perplexity']:.1f}, {m['first_stage/tokens']} tokens)")

@@ -7,15 +7,19 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
+from imagegen.ar.edit import GPTEditor
 from imagegen.ar.task import GPT_FILE, TextToImageGPT
 from imagegen.config import ConfigError, run_script
 from imagegen.diffusion.glide import GLIDE_FILE, GlideDiffusion
+from imagegen.diffusion.edit import LatentEditor, is_edit_folder
 from imagegen.diffusion.ldm import LatentDiffusion
 from imagegen.diffusion.upsampler import GlideUpsampler
 from imagegen.metrics import best_of_n, clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
 from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
 from imagegen.shapes import ShapesDataset, ShapesOracle, prompt as scene_prompt
+from imagegen.data import open_image
+from imagegen.edits import ShapesEdits
 
 def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:str|None=None, shapes_level:int=1,
                 n:int=64, seed:int=0) -> tuple[list[str], list[dict|None]]:
@@ -32,37 +36,40 @@ def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:s
     else: raise ConfigError("Give --prompts 'a|b', --prompt_file FILE or --shapes_split test.")
     return ps, [None] * len(ps)
 
-def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:Path|str, meta:dict) -> Path:
-    "PNGs, `samples.jsonl` (file, prompt, seed, scene) and `grid.png` (first 64, captioned) under `out`."
+def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:Path|str, meta:dict, extra:list[dict]|None=None) -> Path:
+    "PNGs, `samples.jsonl` (file, prompt, seed, scene, and `extra[i]`) and `grid.png` (first 64, captioned) under `out`."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     with open(out/'samples.jsonl', 'w') as f:
         for i, (im, p, s, sd) in enumerate(zip(images, prompts, scenes, seeds)):
             im.save(out/f'{i:06d}.png')
-            f.write(json.dumps({'file_name': f'{i:06d}.png', 'prompt': p, 'seed': sd, 'scene': s, **meta}) + '\n')
+            f.write(json.dumps({'file_name': f'{i:06d}.png', 'prompt': p, 'seed': sd, 'scene': s, **(extra[i] if extra else {}), **meta}) + '\n')
     save_grid(images[:64], out/'grid.png', captions=prompts[:64], ncols=8, min_cell=128)
     return out
 
 def load_model(path:str|Path) -> tuple[str, object]:
-    "The model saved in `path` and its family: ('ldm', LatentDiffusion), ('glide', GlideDiffusion) or ('gpt', TextToImageGPT)."
+    "The model saved in `path` and its family: ('ldm', LatentDiffusion), ('ldm-edit', LatentEditor), ('glide', GlideDiffusion), ('gpt', TextToImageGPT) or ('gpt-edit', GPTEditor)."
     p = Path(path)
-    if (p/GPT_FILE).exists(): return 'gpt', TextToImageGPT.from_pretrained(p)
+    if (p/GPT_FILE).exists():
+        if json.loads((p/GPT_FILE).read_text()).get('task') == 'edit': return 'gpt-edit', GPTEditor.from_pretrained(p)
+        return 'gpt', TextToImageGPT.from_pretrained(p)
     if (p/'image_noising_scheduler').is_dir():
         raise ConfigError(f"--model {p} is a GLIDE upsampler: pass the base model as --model and this folder as --upsampler.")
     if (p/GLIDE_FILE).exists(): return 'glide', GlideDiffusion.from_pretrained(p)
-    if (p/'unet').is_dir(): return 'ldm', LatentDiffusion.from_pretrained(p)
+    if (p/'unet').is_dir(): return ('ldm-edit', LatentEditor.from_pretrained(p)) if is_edit_folder(p) else ('ldm', LatentDiffusion.from_pretrained(p))
     raise FileNotFoundError(f"--model {p} holds neither a diffusion model (unet/) nor a latent GPT ({GPT_FILE}): "
                             "pass the model/ folder of a train_ldm.py, train_glide.py or train_gpt.py run.")
 
 def images_distributed(acc:Accelerator, generate, prompts:list[str], seeds:list[int], batch_size:int=64, progress:bool=True,
-                       low_res_images:torch.Tensor|None=None, desc:str='sampling', **kwargs) -> list:
-    "`generate(prompts, generator=[...], **kwargs) -> images in [-1, 1]` with prompts split across ranks, one generator per image (seed), gathered in prompt order on every rank; `low_res_images` go along with their prompts."
+                       per_item:dict|None=None, desc:str='sampling', **kwargs) -> list:
+    "`generate(prompts, generator=[...], **kwargs) -> images in [-1, 1]` with prompts split across ranks, one generator per image (seed), gathered in prompt order on every rank; `per_item` arguments (a tensor or list per name, one entry per prompt) go along with their prompts."
     items = list(enumerate(zip(prompts, seeds)))
     local = []
     with acc.split_between_processes(items) as mine:
         for i in tqdm(range(0, len(mine), batch_size), desc=desc, disable=not progress):
             chunk = mine[i:i + batch_size]
             gens = [torch.Generator(acc.device).manual_seed(s) for _, (_, s) in chunk]
-            extra = {} if low_res_images is None else {'low_res_images': low_res_images[[j for j, _ in chunk]]}
+            idx = [j for j, _ in chunk]
+            extra = {k: v[idx] if torch.is_tensor(v) else [v[j] for j in idx] for k, v in (per_item or {}).items()}
             ims = to_pil(generate([p for _, (p, _) in chunk], generator=gens, **extra, **kwargs), value_range=(-1, 1))
             local += list(zip([j for j, _ in chunk], ims))
     return [im for _, im in sorted(gather_object(local), key=lambda p: p[0])]
@@ -101,6 +108,47 @@ def rerank_gain(images:list, scenes:list[dict], scores:torch.Tensor, rerank:str,
     for r in rows: print(f"{'':>{len(head)}}{r['n']:>3}  {r['adherence']:>9.3f}  {r['all_attributes']:>14.3f}")
     return rows
 
+def edit_inputs(m, source_image:str|None, prompts:str|None, prompt_file:str|None, shapes_edit_split:str|None, n:int=64,
+                seed:int=0) -> tuple[list, list[str], list, list]:
+    "Sources (PIL), instructions, Shapes edits (dicts) and target images (None where unknown) for an editor."
+    if shapes_edit_split:
+        ds = ShapesEdits(shapes_edit_split, m.resolution, n=n, seed=seed)
+        its = [ds[i] for i in range(len(ds))]
+        return [it['input_image'] for it in its], [it['edit_prompt'] for it in its], [it['edit'] for it in its], [it['edited_image'] for it in its]
+    if not source_image:
+        raise ConfigError("An editor needs source images: --source_image a.png[|b.png] with --prompts 'instruction[|...]', or --shapes_edit_split test.")
+    ps, _ = prompt_list(prompts, prompt_file)
+    srcs = []
+    for f in (x.strip() for x in source_image.split('|')):
+        if not Path(f).exists(): raise FileNotFoundError(f"--source_image {f} does not exist.")
+        try: srcs.append(open_image(f)[0])
+        except Exception as e: raise ConfigError(f"--source_image {f} cannot be read as an image ({e}).") from None
+    if len(srcs) == 1: srcs = srcs * len(ps)
+    if len(srcs) != len(ps): raise ConfigError(f"{len(srcs)} source images for {len(ps)} instructions: give one source for all, or one per instruction.")
+    return srcs, ps, [None] * len(ps), [None] * len(ps)
+
+def sample_edits(acc:Accelerator, m, out:str|Path, inputs:tuple, *, seed:int, batch_size:int, meta:dict, **kwargs) -> list:
+    "`m.edit(sources, instructions, **kwargs)` (seed + i for edit i), split across ranks; OUT gets the images, their sources (OUT/sources), `samples.jsonl` and a source | edited | target grid."
+    sources, ps, edits, targets = inputs
+    seeds = [seed + i for i in range(len(ps))]
+    edit = lambda prompts, generator, images, **kw: m.edit(images, prompts, generator=generator, **kw)
+    images = images_distributed(acc, edit, ps, seeds, batch_size, progress=acc.is_main_process, per_item={'images': sources},
+                                desc='editing', **kwargs)
+    if acc.is_main_process:
+        out = Path(out); (out/'sources').mkdir(parents=True, exist_ok=True)
+        res = images[0].size
+        for i, src in enumerate(sources): src.convert('RGB').resize(res).save(out/'sources'/f'{i:06d}.png')
+        extra = [{'source_file_name': f'sources/{i:06d}.png', **({'edit': e} if e else {})} for i, e in enumerate(edits)]
+        write_samples(images, ps, [e['target'] if e else None for e in edits], seeds, out,
+                      {**meta, **{k.removesuffix('_scale').replace('num_inference_steps', 'steps'): v for k, v in kwargs.items()}}, extra)
+        k = min(len(images), 24)       # the grid: source | edited | target (when known), three edits a row
+        cells = [c for i in range(k) for c in (sources[i].convert('RGB').resize(res), images[i]) + ((targets[i].resize(res),) if targets[i] else ())]
+        caps = [c for i in range(k) for c in ('source', ps[i]) + (('target',) if targets[i] else ())]
+        save_grid(cells, out/'grid.png', captions=caps, ncols=9 if targets[0] else 6, min_cell=128)
+        print(f"{len(ps)} edits, their sources, samples.jsonl and grid.png in {out}")
+    acc.wait_for_everyone()
+    return images
+
 def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py, train_glide.py or train_gpt.py run)
          out:str='runs/samples', # output folder: NNNNNN.png, samples.jsonl, grid.png
          prompts:str=None, # prompts separated by '|'
@@ -127,6 +175,9 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
          keep:int=1, # with --candidates: ranked images kept per prompt (the best one is OUT/NNNNNN.png)
          rerank:str='clip', # with --candidates: 'clip' (needs --clip_model) or 'oracle' (Shapes prompts only)
          clip_model:str=None, # CLIP model folder or Hub id (transformers format) for --rerank clip
+         source_image:str=None, # editor: source image file(s) separated by '|' (one for every instruction, or one per instruction)
+         shapes_edit_split:str=None, # editor: the Shapes edit triples of this split instead ('test' involves held-out colour-shape pairs)
+         image_guidance:float=None, # editor: image guidance scale (InstructPix2Pix's image_guidance_scale; 1 = off; default 1.5)
         ):
     "Sample images for prompts from a trained model; on several processes the prompts are split and gathered in order."
     if candidates < 1 or not 1 <= keep <= candidates: raise ConfigError(f"--candidates {candidates} --keep {keep}: need 1 <= keep <= candidates.")
@@ -136,6 +187,22 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
     acc = Accelerator()
     family, m = load_model(model)
     m = m.to(acc.device)
+    if (source_image or shapes_edit_split) and not family.endswith('edit'):
+        raise ConfigError(f"--source_image and --shapes_edit_split go with an editor (the model/ of a train_edit.py run); {model} is a {family} text-to-image model.")
+    if family.endswith('edit'):
+        if candidates > 1 or upsampler or shapes_split:
+            raise ConfigError(f"{model} is an editor: it takes --source_image with --prompts, or --shapes_edit_split (not --shapes_split, --candidates or --upsampler).")
+        if family == 'ldm-edit':
+            kw = dict(guidance_scale=4.0 if guidance is None else guidance, image_guidance_scale=1.5 if image_guidance is None else image_guidance,
+                      sampler=sampler or 'dpmpp_2m', num_inference_steps=steps)
+            if kw['sampler'] not in SAMPLERS: raise ConfigError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
+        else:
+            c = m.config
+            kw = dict(guidance_scale=c.guidance_scale if guidance is None else guidance, image_guidance_scale=1.5 if image_guidance is None else image_guidance,
+                      temperature=c.temperature if temperature is None else temperature, top_k=c.top_k if top_k is None else top_k,
+                      top_p=c.top_p if top_p is None else top_p)
+        return sample_edits(acc, m, out, edit_inputs(m, source_image, prompts, prompt_file, shapes_edit_split, n, seed), seed=seed,
+                            batch_size=batch_size, meta={'family': family, 'model': str(model)}, **kw)
     if upsampler and family != 'glide': raise ConfigError(f"--upsampler goes with a GLIDE base model; {model} is a {family} model.")
     ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed)
     N = candidates   # candidate j of prompt i has seed seed + i*N + j (seed + i without re-ranking)
@@ -148,7 +215,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
         base_images, base_meta = images, dict(meta)
         up = GlideUpsampler.from_pretrained(upsampler).to(acc.device)
         low = to_unit_batch(base_images) * 2 - 1
-        images = images_distributed(acc, up.generate, ps_x, seeds_x, batch_size, progress=acc.is_main_process, low_res_images=low,
+        images = images_distributed(acc, up.generate, ps_x, seeds_x, batch_size, progress=acc.is_main_process, per_item={'low_res_images': low},
                                     desc='upsampling', num_inference_steps=upsampler_steps, guidance_scale=upsampler_guidance,
                                     sampler=upsampler_sampler, noise_level=noise_level)
         meta |= dict(upsampler=str(upsampler), upsampler_sampler=upsampler_sampler, upsampler_steps=upsampler_steps,

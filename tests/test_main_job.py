@@ -18,6 +18,17 @@ def test_main_job_tiny(tmp_path):
     assert cfg['model']['train_text_encoder'] and cfg['model']['pooled_text'] and cfg['data']['cache_latents']
     assert (cfg['train']['max_steps'], cfg['train']['batch_size'], cfg['train']['ema']) == (3, 64, True)
     assert f"metrics logged to TensorBoard {out/'ldm'/'logs'}" in p.stdout and 'step 3' in p.stdout   # evaluate.py -> the run's curves
+    # TASK=edit starts from the text-to-image model just made (not trained again), fine-tunes the editor, scores held-out edits
+    t2i_saved = (out/'ldm'/'model'/'unet'/'diffusion_pytorch_model.safetensors').stat().st_mtime_ns
+    p = run(['make', '-s', 'main', 'TASK=edit', f'MAIN={out}', 'EDIT_STEPS=3', 'N_EVAL=8', 'N_TRAIN=256'], timeout=900)
+    assert f"starting from the text-to-image model in {out/'ldm'/'model'}" in p.stdout
+    assert (out/'ldm'/'model'/'unet'/'diffusion_pytorch_model.safetensors').stat().st_mtime_ns == t2i_saved
+    assert 'edit accuracy (the change made, nothing else changed):' in p.stdout, p.stdout[-3000:]
+    m = json.loads((out/'ldm-edit-samples'/'metrics.json').read_text())
+    assert m['n_images'] == 8 and 0 <= m['edit/correct'] <= 1 and m['family'] == 'ldm-edit'
+    cfg = json.loads((out/'ldm-edit'/'run_info.json').read_text())['config']   # scripts/configs/main_edit_ldm.yaml, steps from EDIT_STEPS
+    assert (cfg['train']['max_steps'], cfg['train']['batch_size'], cfg['model']['pretrained_model_name_or_path']) == (3, 64, str(out/'ldm'/'model'))
+    assert (out/'ldm-edit-samples'/'grid.png').exists()
 
 
 def test_main_job_glide_tiny(tmp_path):

@@ -62,11 +62,14 @@ def test_unknown_flag_is_refused():
 
 @pytest.mark.parametrize('path', sorted((ROOT/'scripts'/'configs').glob('*.yaml')), ids=lambda p: p.name)
 def test_example_configs_resolve(path):
-    "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample), without error."
+    "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample; editor recipes `*_edit_<family>`: train_edit.py), without error."
     stage = 'upsample' if path.stem.endswith('glide_upsampler') else None
-    name = 'train_glide' if stage else 'train_' + path.stem.rsplit('_', 1)[1]
+    edit = '_edit_' in path.stem
+    name = 'train_glide' if stage else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
     run_ = resolve(name, ['--config', str(path)], stage)
     assert set(run_) == {'train', 'model', 'data'}
+    if edit: assert type(run_['model']).__name__ == 'EditConfig' and type(run_['data']).__name__ == 'EditDataConfig'
+    if path.stem == 'main_edit_ldm': assert run_['model'].source_lr_scale == 10   # the measured recipe (README)
     if stage: assert type(run_['model']).__name__ == 'UpsamplerConfig' and run_['model'].train_crop == 64
 
 

@@ -39,6 +39,8 @@ class LatentGPTConfig(PreTrainedConfig):
     pos_embedding: str = 'learned'        # 'learned' (one per cell) | '2d' (row + column)
     dropout: float = 0.0
     mlp_ratio: float = 4.0
+    source_tokens: bool = False           # editing: the cross-attention memory also holds a source image's tokens (same codebook and grid)
+    aligned_source: bool = False          # editing: each slot also reads the source token of the cell it predicts (zero-initialised projection)
     bias: bool = True                     # biases in linear layers and layer norms
     tie_word_embeddings: bool = False     # share the token embedding with the output head
     initializer_range: float = 0.02
@@ -153,10 +155,11 @@ class LatentGPTCache(EncoderDecoderCache):
     def __init__(self):
         super().__init__(DynamicCache(), DynamicCache())
         self.text_mask = None                     # (B, 1, 1, L) bool, or None when every text token is kept
+        self.source_slots = None                  # an editor's source read in place (B, N, C), or None
     @property
     def has_text(self) -> bool: return bool(self.is_updated.get(0))
     def reset(self):
-        super().reset(); self.text_mask = None
+        super().reset(); self.text_mask = self.source_slots = None
 
 class Block(GradientCheckpointingLayer):
     "Pre-norm transformer block: causal self-attention, cross-attention to the text, MLP."
@@ -207,6 +210,10 @@ class LatentGPT(PreTrainedModel):
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        if config.source_tokens:                                # editing: the source image's codes and a learned null source
+            self.src_wte = nn.Embedding(config.vocab_size, C)
+            self.null_source = nn.Parameter(torch.zeros(1, C))
+            if config.aligned_source: self.src_in = nn.Linear(C, C, bias=False)    # zero at the start: see "Editing" below
         self.post_init()
 
     @torch.no_grad()
@@ -217,6 +224,8 @@ class LatentGPT(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
         if isinstance(module, LatentGPT):
             init.normal_(module.bos, mean=0.0, std=std); init.normal_(module.null_text, mean=0.0, std=std)
+            if module.config.source_tokens: init.normal_(module.null_source, mean=0.0, std=std)
+            if module.config.source_tokens and module.config.aligned_source: init.zeros_(module.src_in.weight)
 
     def get_input_embeddings(self) -> nn.Embedding: return self.wte
     def set_input_embeddings(self, value:nn.Embedding): self.wte = value
@@ -296,7 +305,8 @@ def _flat_tokens(x:torch.Tensor|None, grid:tuple[int, int], name:str) -> torch.T
 def forward(self:LatentGPT, input_ids:torch.Tensor|None=None, encoder_hidden_states:torch.Tensor|None=None,
             cond_mask:torch.Tensor|None=None, encoder_attention_mask:torch.Tensor|None=None,
             labels:torch.Tensor|None=None, past_key_values:LatentGPTCache|None=None, use_cache:bool=False,
-            return_dict:bool=True) -> CausalLMOutputWithCrossAttentions:
+            return_dict:bool=True, source_ids:torch.Tensor|None=None, source_mask:torch.Tensor|None=None
+            ) -> CausalLMOutputWithCrossAttentions:
     "Logits `(B, T', V)` of the tokens at the slots fed (see above); `loss` when `labels` are given."
     cfg, N = self.config, self.n_positions
     input_ids = _flat_tokens(input_ids, cfg.token_grid, 'input_ids')
@@ -308,12 +318,12 @@ def forward(self:LatentGPT, input_ids:torch.Tensor|None=None, encoder_hidden_sta
                              f"{cfg.vocab_size}): do the tokens come from a VQ model with another codebook size? "
                              "Build the GPT with that model's vocab_size.")
     return self._forward(input_ids, encoder_hidden_states, cond_mask, encoder_attention_mask, labels, past_key_values,
-                         use_cache, return_dict)
+                         use_cache, return_dict, source_ids, source_mask)
 
 # %% ../../nbs/05a_gpt.ipynb #25e7c7ff
 @patch
 def _forward(self:LatentGPT, input_ids, encoder_hidden_states, cond_mask, encoder_attention_mask, labels,
-             past_key_values, use_cache, return_dict=True):
+             past_key_values, use_cache, return_dict=True, source_ids=None, source_mask=None):
     cfg, N, cache = self.config, self.n_positions, past_key_values
     if cache is not None and not isinstance(cache, LatentGPTCache):
         raise TypeError(f"past_key_values must be the LatentGPTCache of a previous call, got {type(cache).__name__}.")
@@ -326,11 +336,17 @@ def _forward(self:LatentGPT, input_ids, encoder_hidden_states, cond_mask, encode
     if input_ids is None and encoder_hidden_states is None:
         raise ValueError("LatentGPT: pass input_ids or encoder_hidden_states (the batch size comes from them).")
     B = len(input_ids) if input_ids is not None else len(encoder_hidden_states)
-    x = self.drop(self.embed(input_ids, past_len, B))                                          # (B, T', C)
-    if cache is not None and cache.has_text: text, text_mask = None, cache.text_mask
+    slots = None
+    if cache is not None and cache.has_text: text, text_mask, slots = None, cache.text_mask, cache.source_slots
     else:
         text, text_mask = self.text_states(encoder_hidden_states, cond_mask, encoder_attention_mask)   # (B, L', C)
-        if cache is not None: cache.text_mask = text_mask
+        if cfg.source_tokens or source_ids is not None:                                        # editing: + the source (B, N, C)
+            text, text_mask = self.with_source(text, text_mask, source_ids, source_mask)
+            slots = self.source_slots(source_ids, source_mask)
+        if cache is not None: cache.text_mask, cache.source_slots = text_mask, slots
+    x = self.embed(input_ids, past_len, B)                                                     # (B, T', C)
+    if slots is not None: x = x + slots[:, past_len:past_len + x.shape[1]].to(x.dtype)
+    x = self.drop(x)
     for block in self.blocks: x = block(x, text, text_mask=text_mask, past_key_values=cache, past_len=past_len)
     logits = self.lm_head(self.ln_f(x))                                                         # (B, T', V)
     loss = None
@@ -341,6 +357,41 @@ def _forward(self:LatentGPT, input_ids, encoder_hidden_states, cond_mask, encode
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
     if not return_dict: return (loss, logits, cache) if loss is not None else (logits, cache)
     return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=cache)
+
+# %% ../../nbs/05a_gpt.ipynb #68f4aaed
+@patch
+def with_source(self:LatentGPT, text:torch.Tensor, text_mask:torch.Tensor|None, source_ids:torch.Tensor|None,
+                source_mask:torch.Tensor|None=None) -> tuple[torch.Tensor, torch.Tensor]:
+    "The memory `(B, L' + N, C)`: projected text then the source's embedded tokens (the null source where `source_mask` is False), and its mask `(B, 1, 1, L' + N)`."
+    cfg, N = self.config, self.n_positions
+    if not cfg.source_tokens:
+        raise ValueError("source_ids given, but this LatentGPT reads no source image (config.source_tokens=False): "
+                         "make an editor from it with imagegen.ar.edit.GPTEditor.from_text_to_image.")
+    if source_ids is None:
+        raise ValueError("this LatentGPT is an editor (source_tokens=True): pass source_ids, the source image's VQ tokens (B, N) or (B, h, w); "
+                         "rows without a source take source_mask=False.")
+    src = _flat_tokens(source_ids, cfg.token_grid, 'source_ids')
+    B = len(text)
+    if tuple(src.shape) != (B, N): raise ValueError(f"source_ids has shape {tuple(src.shape)}, expected ({B}, {N}) (the token grid {cfg.token_grid[0]}x{cfg.token_grid[1]}).")
+    if src.min() < 0 or src.max() >= cfg.vocab_size: raise ValueError(f"source_ids outside [0, vocab_size={cfg.vocab_size}): tokens of another VQ model?")
+    mem = self.src_wte(src) + self.positions(0, N, src.device)                                  # (B, N, C)
+    keep = torch.ones(B, N, dtype=torch.bool, device=src.device)
+    if source_mask is not None:
+        if tuple(source_mask.shape) != (B,): raise ValueError(f"source_mask has shape {tuple(source_mask.shape)}, expected ({B},): one bool per row.")
+        on = source_mask.to(device=src.device, dtype=torch.bool)[:, None]                        # (B, 1)
+        null = F.pad(self.null_source, (0, 0, 0, N - 1))                                         # (N, C)
+        mem = torch.where(on[..., None], mem, null.to(mem.dtype))
+        keep = torch.where(on, keep, torch.arange(N, device=src.device) < 1)
+    text_keep = torch.ones(B, text.shape[1], dtype=torch.bool, device=text.device) if text_mask is None else text_mask[:, 0, 0]
+    return torch.cat([text, mem.to(text.dtype)], 1), torch.cat([text_keep, keep.to(text.device)], 1)[:, None, None, :]
+
+# %% ../../nbs/05a_gpt.ipynb #3df31501
+@patch
+def source_slots(self:LatentGPT, source_ids:torch.Tensor, source_mask:torch.Tensor|None=None) -> torch.Tensor|None:
+    "The source read in place, `(B, N, C)`: row b, cell j holds `src_in(src_wte(source_ids[b, j]))` (zero where `source_mask` is False); None unless `config.aligned_source`."
+    if not (self.config.source_tokens and self.config.aligned_source): return None
+    s = self.src_in(self.src_wte(_flat_tokens(source_ids, self.config.token_grid, 'source_ids')))
+    return s if source_mask is None else s * source_mask.to(s.device, s.dtype)[:, None, None]
 
 # %% ../../nbs/05a_gpt.ipynb #c0508df3
 def _uniforms(generator:torch.Generator|list[torch.Generator]|None, n:int, device:torch.device) -> torch.Tensor:
@@ -364,17 +415,26 @@ def generate_tokens(self:LatentGPT, encoder_hidden_states:torch.Tensor, encoder_
                     cond_mask:torch.Tensor|None=None, guidance_scale:float=1.0, temperature:float=1.0,
                     top_k:int|None=None, top_p:float|None=None, do_sample:bool=True,
                     generator:torch.Generator|list[torch.Generator]|None=None, use_cache:bool=True,
-                    logits_processor:LogitsProcessorList|list|None=None, return_logits:bool=False
+                    logits_processor:LogitsProcessorList|list|None=None, return_logits:bool=False,
+                    source_ids:torch.Tensor|None=None, source_mask:torch.Tensor|None=None, image_guidance_scale:float=1.0
                     ) -> torch.Tensor|tuple[torch.Tensor, torch.Tensor]:
-    "Token grids `(B, h, w)` for text states `(B, L, text_dim)`; `return_logits`: also the guided logits `(B, N, V)`."
+    "Token grids `(B, h, w)` for text states `(B, L, text_dim)` (an editor: and `source_ids`); `return_logits`: also the guided logits `(B, N, V)`."
     e = encoder_hidden_states
     B, N, dev = e.shape[0], self.n_positions, e.device
-    guided = guidance_scale != 1.0
+    three = image_guidance_scale != 1.0                              # editing: streams (text + source, source, neither)
+    if three and source_ids is None: raise ValueError("image_guidance_scale guides toward a source image: pass source_ids (an editor).")
+    guided = three or guidance_scale != 1.0
+    k = 3 if three else 2 if guided else 1                           # streams, each B rows of one batch
     cond = torch.ones(B, dtype=torch.bool, device=dev) if cond_mask is None else cond_mask.to(dev, torch.bool)
-    if guided:                                                       # one batch [cond; uncond] of 2B rows
-        e, cond = torch.cat([e, e]), torch.cat([cond, torch.zeros_like(cond)])
-        if encoder_attention_mask is not None: encoder_attention_mask = torch.cat([encoder_attention_mask] * 2)
-    rows = (lambda t: torch.cat([t, t])) if guided else (lambda t: t)
+    src = None if source_ids is None else _flat_tokens(source_ids, self.config.token_grid, 'source_ids').to(dev)
+    smask = torch.ones(B, dtype=torch.bool, device=dev) if source_mask is None else source_mask.to(dev, torch.bool)
+    off = torch.zeros_like(cond)
+    if guided:                                                       # text: [cond; off (; off)], source: [on; on (; off)]
+        e, cond = torch.cat([e] * k), torch.cat([cond] + [off] * (k - 1))
+        if encoder_attention_mask is not None: encoder_attention_mask = torch.cat([encoder_attention_mask] * k)
+        if src is not None: src, smask = torch.cat([src] * k), torch.cat([smask, smask] + [off] * (k - 2))
+    rows = (lambda t: torch.cat([t] * k)) if guided else (lambda t: t)
+    memory = dict(source_ids=src, source_mask=smask if src is not None else None)
     warpers = LogitsProcessorList(list(logits_processor or []))
     if do_sample:
         if temperature != 1.0: warpers.append(TemperatureLogitsWarper(temperature))
@@ -384,12 +444,15 @@ def generate_tokens(self:LatentGPT, encoder_hidden_states:torch.Tensor, encoder_
     for i in range(N):
         if use_cache:                                                # feed one slot: the start, then the last token
             out = self._forward(None if i == 0 else rows(tokens[:, -1:]), e if i == 0 else None, cond,
-                                encoder_attention_mask, None, cache, True)
+                                encoder_attention_mask, None, cache, True, **(memory if i == 0 else {}))
             cache = out.past_key_values
         else:                                                        # recompute the whole prefix
-            out = self._forward(rows(tokens), e, cond, encoder_attention_mask, None, None, False)
+            out = self._forward(rows(tokens), e, cond, encoder_attention_mask, None, None, False, **memory)
         logits = out.logits[:, -1].float()                           # (B or 2B, V)
-        if guided:
+        if three:                                                    # InstructPix2Pix's combination
+            ts, s_, u = logits.chunk(3)
+            logits = u + guidance_scale * (ts - s_) + image_guidance_scale * (s_ - u)
+        elif guided:
             c, u = logits.chunk(2)
             logits = u + guidance_scale * (c - u)                    # (B, V)
         if return_logits: kept.append(logits)
@@ -403,10 +466,11 @@ def generate_tokens(self:LatentGPT, encoder_hidden_states:torch.Tensor, encoder_
 @patch
 def token_logprobs(self:LatentGPT, tokens:torch.Tensor, encoder_hidden_states:torch.Tensor,
                    cond_mask:torch.Tensor|None=None, encoder_attention_mask:torch.Tensor|None=None,
-                   temperature:float=1.0) -> torch.Tensor:
+                   temperature:float=1.0, source_ids:torch.Tensor|None=None, source_mask:torch.Tensor|None=None) -> torch.Tensor:
     "Log-probabilities `(B, T)` of `tokens` (`(B, T)` or `(B, h, w)`) under the model, one per token, differentiable."
     tokens = _flat_tokens(tokens, self.config.token_grid, 'tokens')
-    logits = self(tokens, encoder_hidden_states, cond_mask, encoder_attention_mask).logits[:, :tokens.shape[1]].float()
+    logits = self(tokens, encoder_hidden_states, cond_mask, encoder_attention_mask, source_ids=source_ids,
+                  source_mask=source_mask).logits[:, :tokens.shape[1]].float()
     return (logits / temperature).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 # %% ../../nbs/05a_gpt.ipynb #f166975b

@@ -81,13 +81,13 @@ class GPTDataConfig(DataConfig):
 
 # %% ../../nbs/05b_t2i.ipynb #b830df38
 class GPTWithTextEncoder(nn.Module):
-    "Transformer and trainable text model as one module: `forward(tokens, input_ids, cond_mask) -> logits`."
+    "Transformer and trainable text model as one module: `forward(tokens, input_ids, cond_mask, **memory) -> logits` (memory: an editor's source)."
     def __init__(self, gpt:LatentGPT, text_model:nn.Module):
         super().__init__()
         self.gpt, self.text_model = gpt, text_model
-    def forward(self, tokens:torch.Tensor, input_ids:torch.Tensor, cond_mask:torch.Tensor) -> torch.Tensor:
-        states = self.text_model(input_ids).last_hidden_state                              # (B, L, D_text)
-        return self.gpt(tokens, encoder_hidden_states=states, cond_mask=cond_mask).logits  # (B, N, V)
+    def forward(self, tokens:torch.Tensor, input_ids:torch.Tensor, cond_mask:torch.Tensor, **memory) -> torch.Tensor:
+        states = self.text_model(input_ids).last_hidden_state                                        # (B, L, D_text)
+        return self.gpt(tokens, encoder_hidden_states=states, cond_mask=cond_mask, **memory).logits  # (B, N, V)
 
 class TextToImageGPT:
     "Frozen VQ tokenizer + text encoder + trainable `LatentGPT`: `loss(batch)` for the shared loop, `generate(prompts)`, one saved folder."
@@ -150,6 +150,12 @@ def from_config(cls:TextToImageGPT, cfg:GPTConfig|str='tiny', corpus:list[str]|N
 
 # %% ../../nbs/05b_t2i.ipynb #b138e050
 @patch
+def condition(self:TextToImageGPT, batch:dict) -> tuple[list[str], torch.Tensor, dict]:
+    "The captions, `cond_mask` (False: an empty, i.e. dropped, caption reads the null text) and extra transformer inputs (none here)."
+    captions = list(batch['caption'])
+    return captions, torch.tensor([bool(c) for c in captions], device=self.device), {}
+
+@patch
 def loss(self:TextToImageGPT, model:nn.Module, batch:dict) -> dict:
     "CE loss of `model` (the loop's prepared `trainable`, or `self.trainable`) for `batch = {'tokens' (B,h,w) or 'pixel_values', 'caption'}`."
     for k in ('caption', 'tokens' if 'tokens' in batch else 'pixel_values'):
@@ -157,13 +163,12 @@ def loss(self:TextToImageGPT, model:nn.Module, batch:dict) -> dict:
     dev = self.device
     tokens = batch['tokens'].to(dev) if 'tokens' in batch else self.tokenizer.encode(batch['pixel_values'].to(dev))
     tokens = tokens.long().flatten(1)                                                       # (B, N)
-    captions = list(batch['caption'])
-    cond = torch.tensor([bool(c) for c in captions], device=dev)                           # False: dropped caption -> null text
+    captions, cond, memory = self.condition(batch)
     inputs, p = tokens, (self.config.token_noise if self.config else 0.0)
     if p > 0 and model.training:                                                            # corrupt what is read, not what is predicted
         inputs = torch.where(torch.rand(tokens.shape, device=dev) < p, torch.randint_like(tokens, self.tokenizer.vocab_size), tokens)
-    if self.text_encoder.trainable: logits = model(inputs, self.text_encoder.tokenize(captions), cond)
-    else: logits = model(inputs, encoder_hidden_states=self.text_encoder.encode(captions), cond_mask=cond).logits
+    if self.text_encoder.trainable: logits = model(inputs, self.text_encoder.tokenize(captions), cond, **memory)
+    else: logits = model(inputs, encoder_hidden_states=self.text_encoder.encode(captions), cond_mask=cond, **memory).logits
     ce = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
     with torch.no_grad(): acc = (logits.argmax(-1) == tokens).float().mean()
     return {'loss': ce, 'ce_loss': ce.detach(), 'perplexity': ce.detach().exp(), 'token_accuracy': acc}

@@ -4,20 +4,19 @@
 
 # %% ../../nbs/04e_edit.ipynb #b35e2f01
 from __future__ import annotations
-import copy, json, warnings
+import copy, json
 from pathlib import Path
-import numpy as np
 import torch
 from torch import nn
-from PIL import Image
-from diffusers import StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
+from diffusers.utils.torch_utils import randn_tensor
+from diffusers import AutoencoderKL, StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
 from fastcore.basics import patch
-from ..data import to_rgb
+from ..edits import EditConfig, edit_dropout_masks, edit_sample_grid, make_edit_optimizer, prepare_sources
 from .ldm import LatentDiffusion, LDM_FILE
 from .sampling import make_scheduler, sample_latents
 
 # %% auto #0
-__all__ = ['expand_conv_in', 'edit_dropout_masks', 'LatentEditor', 'prepare_sources']
+__all__ = ['expand_conv_in', 'LatentEditor', 'is_edit_folder']
 
 # %% ../../nbs/04e_edit.ipynb #b726c332
 def expand_conv_in(unet:UNet2DConditionModel, extra_channels:int) -> UNet2DConditionModel:
@@ -33,13 +32,6 @@ def expand_conv_in(unet:UNet2DConditionModel, extra_channels:int) -> UNet2DCondi
     unet.register_to_config(in_channels=old.in_channels + extra_channels)
     return unet
 
-# %% ../../nbs/04e_edit.ipynb #cccea1cb
-def edit_dropout_masks(n:int, p:float, generator:torch.Generator|None=None) -> tuple[torch.Tensor, torch.Tensor]:
-    "Boolean masks `(drop_text, drop_image)` of `n` samples: each is True with probability 2p, both with probability p."
-    if not 0 <= p <= 1 / 3: raise ValueError(f"conditioning_dropout_prob must be in [0, 1/3] (diffusers' default: 0.05), got {p}.")
-    r = torch.rand(n, generator=generator)
-    return r < 2 * p, (r >= p) & (r < 3 * p)
-
 # %% ../../nbs/04e_edit.ipynb #be93942b
 class LatentEditor(LatentDiffusion):
     "InstructPix2Pix on our latent diffusion: the UNet reads noisy latents + the source image's latents; two guidance scales."
@@ -47,7 +39,14 @@ class LatentEditor(LatentDiffusion):
     def __init__(self, *args, conditioning_dropout_prob:float=0.05, **kwargs):
         super().__init__(*args, **kwargs)
         edit_dropout_masks(0, conditioning_dropout_prob)          # validates the rate
-        self.conditioning_dropout_prob = conditioning_dropout_prob
+        self.conditioning_dropout_prob, self.source_lr_scale = conditioning_dropout_prob, 1.0
+
+    def configure_optimizer(self, model, cfg) -> torch.optim.Optimizer:
+        "The loop's hook: as the text-to-image model's, with the weights that read the source at `source_lr_scale` times the rate (`EditConfig`)."
+        return make_edit_optimizer(self, model, cfg, ('conv_in.weight', 'conv_in.bias'))
+
+    @property
+    def resolution(self) -> int: return self.config.resolution if self.config else self.unet.config.sample_size * self.autoencoder.downsample_factor
 
     @classmethod
     def from_text_to_image(cls, ldm:LatentDiffusion, conditioning_dropout_prob:float=0.05) -> LatentEditor:
@@ -74,43 +73,25 @@ def condition(self:LatentEditor, batch:dict, generator:torch.Generator|None=None
     return captions, src * (~drop_image).to(src.device, src.dtype).view(-1, 1, 1, 1)
 
 # %% ../../nbs/04e_edit.ipynb #1a60246f
-def prepare_sources(images, resolution:int) -> torch.Tensor:
-    "`(B, 3, resolution, resolution)` in [-1, 1] from PIL images (converted to RGB, resized with a warning) or a tensor."
-    if isinstance(images, torch.Tensor):
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"Source images as a tensor must be (B, 3, H, W) in [-1, 1], got shape {tuple(images.shape)}.")
-        if images.shape[-2:] != (resolution, resolution):
-            warnings.warn(f"source images are {tuple(images.shape[-2:])}; resizing to the model's {resolution}x{resolution}.")
-            images = torch.nn.functional.interpolate(images.float(), size=(resolution, resolution), mode='bicubic', antialias=True)
-        return images.float().clamp(-1, 1)
-    if isinstance(images, Image.Image): images = [images]
-    out = []
-    for i, im in enumerate(images):
-        if not isinstance(im, Image.Image): raise TypeError(f"source image {i} is a {type(im).__name__}; pass PIL images or a tensor.")
-        im = to_rgb(im)
-        if im.size != (resolution, resolution):
-            warnings.warn(f"source image {i} is {im.size[0]}x{im.size[1]}; resizing to the model's {resolution}x{resolution}.")
-            im = im.resize((resolution, resolution), Image.BICUBIC)
-        out.append(torch.from_numpy(np.asarray(im, np.float32) / 127.5 - 1).permute(2, 0, 1))
-    return torch.stack(out)
-
 @patch
 def edit(self:LatentEditor, images, instructions:list[str], num_inference_steps:int=20, guidance_scale:float=7.5,
-         image_guidance_scale:float=1.5, generator:torch.Generator|None=None, seed:int=0, sampler:str='dpmpp_2m') -> torch.Tensor:
+         image_guidance_scale:float=1.5, generator:torch.Generator|list|None=None, seed:int=0, sampler:str='dpmpp_2m',
+         callback=None) -> torch.Tensor:
     "Edited images `(B, 3, H, W)` in [-1, 1]: `sampler` with InstructPix2Pix's two guidance scales."
     instructions = [instructions] if isinstance(instructions, str) else list(instructions)
-    res = self.config.resolution if self.config else self.unet.config.sample_size * self.autoencoder.downsample_factor
+    res = self.resolution
     x = prepare_sources(images, res)
     if len(x) != len(instructions): raise ValueError(f"{len(x)} source images for {len(instructions)} instructions.")
-    generator = generator or torch.Generator().manual_seed(seed)
-    z = torch.randn((len(x), *self.autoencoder.latent_shape(res, res)), generator=generator).to(self.device)
+    generator = generator if generator is not None else torch.Generator().manual_seed(seed)
+    if isinstance(generator, list) and len(generator) != len(x): raise ValueError(f"{len(generator)} generators for {len(x)} source images.")
+    z = randn_tensor((len(x), *self.autoencoder.latent_shape(res, res)), generator=generator).to(self.device)   # one generator per image, or one for all
     with torch.no_grad():
         src = self.source_latents(x)
         cond, uncond = self.text_encoder.encode(instructions), self.text_encoder.empty_embedding(len(x))
     was = self.unet.training; self.unet.eval()
     try: z = sample_latents(self.unet, make_scheduler(sampler, self.scheduler), cond, uncond, guidance_scale=guidance_scale,
                             image_guidance_scale=image_guidance_scale, concat=src, steps=num_inference_steps, latents=z,
-                            generator=generator, progress=False)
+                            generator=generator, progress=False, callback=callback)
     finally: self.unet.train(was)
     return self.autoencoder.decode(z).clamp(-1, 1)
 
@@ -128,6 +109,12 @@ def save_pretrained(self:LatentEditor, save_directory:str|Path):
                 config=self.config.to_dict() if self.config else None, train_scheduler=dict(self.scheduler.config))
     (d/LDM_FILE).write_text(json.dumps(meta, indent=2))
 
+def is_edit_folder(path:str|Path) -> bool:
+    "Whether the diffusers folder `path` holds an InstructPix2Pix editor: its UNet reads twice the VAE's latent channels."
+    read = lambda f: json.loads(f.read_text()) if f.exists() else {}
+    p = Path(path)
+    return read(p/'unet'/'config.json').get('in_channels') == 2 * read(p/'vae'/'config.json').get('latent_channels', -1)
+
 @patch(cls_method=True)
 def from_pretrained(cls:LatentEditor, path:str|Path, **kwargs) -> LatentEditor:
     "Load a folder written by `LatentEditor.save_pretrained`, or an InstructPix2Pix repository in diffusers' layout."
@@ -135,3 +122,21 @@ def from_pretrained(cls:LatentEditor, path:str|Path, **kwargs) -> LatentEditor:
     meta_file = Path(path)/LDM_FILE
     if meta_file.exists(): m.conditioning_dropout_prob = json.loads(meta_file.read_text()).get('conditioning_dropout_prob', 0.05)
     return m
+
+# %% ../../nbs/04e_edit.ipynb #4913fb2a
+@patch(cls_method=True)
+def from_edit_config(cls:LatentEditor, cfg:EditConfig) -> LatentEditor:
+    "The editor of an editing run (`EditConfig.build` calls this for diffusion checkpoints): a text-to-image model widened, or an editor as it is."
+    path, hub = cfg.pretrained_model_name_or_path, dict(cache_dir=cfg.cache_dir, revision=cfg.revision)
+    unet_in = UNet2DConditionModel.load_config(path, subfolder='unet', **hub)['in_channels']
+    latent = AutoencoderKL.load_config(path, subfolder='vae', **hub).get('latent_channels', 4) if unet_in > 4 else None
+    kw = dict(train_text_encoder=cfg.train_text_encoder, **hub)
+    if latent and unet_in == 2 * latent: m = cls.from_pretrained(path, **kw)
+    else: m = cls.from_text_to_image(LatentDiffusion.from_pretrained(path, **kw))
+    m.conditioning_dropout_prob, m.source_lr_scale = cfg.conditioning_dropout_prob, cfg.source_lr_scale
+    return m
+
+@patch
+def sample(self:LatentEditor, n:int|None=None, step:int|None=None, **kwargs) -> tuple[list, list[str]]:
+    "For the loop's grids: each of the first `n` sample sources, then its edit by the matching sample instruction."
+    return edit_sample_grid(self, n, **kwargs)
