@@ -63,6 +63,7 @@ class LatentGPTConfig(PreTrainedConfig):
         if self.pos_embedding not in POS_EMBEDDINGS: bad('pos_embedding', f"choose one of {POS_EMBEDDINGS}.")
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
         if not self.mlp_ratio > 0: bad('mlp_ratio', "must be > 0.")
+        if self.aligned_source and not self.source_tokens: bad('aligned_source', "needs source_tokens=True (an editor reads a source image).")
 
     @property
     def n_positions(self) -> int: return self.token_grid[0] * self.token_grid[1]
