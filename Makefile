@@ -80,7 +80,7 @@ LAUNCH := $(BIN)/accelerate launch $(if $(ACCELERATE_USE_CPU),--num_processes 1 
 TRAIN_DATA = $(MAIN)/shapes/imagefolder/train
 define TRAIN_ldm
 	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_vae.yaml --output_dir $(MAIN)/vae \
-	  --train_data_dir $(TRAIN_DATA) $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
+	  $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
 	$(LAUNCH) scripts/train_ldm.py --config scripts/configs/main_ldm.yaml --output_dir $(MAIN)/ldm --vae $(MAIN)/vae/model \
 	  --train_data_dir $(TRAIN_DATA) $(if $(LDM_STEPS),--max_train_steps $(LDM_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples

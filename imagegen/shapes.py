@@ -192,20 +192,24 @@ def sample_scene(rng:np.random.Generator, split:str='train', level:int=1, held_o
 DEFAULT_N = {'train': 10_000, 'validation': 1_000, 'test': 1_000}
 
 class ShapesDataset(torch.utils.data.Dataset):
-    "Shapes images of one split and level (1: one object, 2: two objects with a relation), rendered on demand."
-    def __init__(self, split:str='train', level:int=1, resolution:int=32, n:int|None=None, seed:int=0, held_out=HELD_OUT):
+    "Shapes images of one split and level (1: one object, 2: two objects with a relation, 'mixed': both in turn), rendered on demand."
+    def __init__(self, split:str='train', level:int|str=1, resolution:int=32, n:int|None=None, seed:int=0, held_out=HELD_OUT):
         if split not in SPLITS: raise ValueError(f"Unknown split {split!r}: use one of {SPLITS}.")
-        if level not in (1, 2): raise ValueError(f"Shapes level must be 1 or 2, got {level!r}.")
+        if level not in (1, 2, 'mixed'): raise ValueError(f"Shapes level must be 1, 2 or 'mixed' (both in turn), got {level!r}.")
         if resolution < 16: raise ValueError(f"Shapes needs a resolution of at least 16 px, got {resolution}.")
-        self.split, self.level, self.resolution, self.seed, self.held_out = split, int(level), int(resolution), int(seed), held_out
+        self.split, self.level, self.resolution, self.seed, self.held_out = split, level, int(resolution), int(seed), held_out
         self.n = DEFAULT_N[split] if n is None else int(n)
     def __len__(self) -> int: return self.n
     def _index(self, i:int) -> int:
         if not -self.n <= i < self.n: raise IndexError(f"index {i} out of range for a ShapesDataset of {self.n} items")
         return i % self.n
+    def level_of(self, i:int) -> int:
+        "The level of item `i`: `level`, or for 'mixed' 1 at even and 2 at odd indices."
+        return 1 + self._index(i) % 2 if self.level == 'mixed' else self.level
     def scene(self, i:int) -> Scene:
-        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), self.level, self._index(i)])
-        return sample_scene(rng, self.split, self.level, self.held_out)
+        level = self.level_of(i)
+        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), level, self._index(i)])
+        return sample_scene(rng, self.split, level, self.held_out)
     def __getitem__(self, i:int) -> dict:
         sc = self.scene(i)
         return {'image': render(sc, self.resolution), 'captions': captions(sc), 'scene': sc.to_dict()}

@@ -83,6 +83,14 @@ def test_main_job_config_is_the_main_recipe():
     assert 'main_vae.yaml' in (ROOT/'Makefile').read_text() and 'main_ldm.yaml' in (ROOT/'Makefile').read_text()
 
 
+def test_main_vae_sees_one_and_two_objects():
+    "The main VAE trains on one- and two-object scenes (the editors' add/remove targets need both: README), and the Makefile does not override that data."
+    r = resolve('train_vae', ['--config', str(ROOT/'scripts'/'configs'/'main_vae.yaml')])
+    assert (r['train'].max_steps, r['data'].dataset) == (1000, 'shapes:level=mixed')
+    vae_command = (ROOT/'Makefile').read_text().split('scripts/train_vae.py')[1].split('$(LAUNCH)')[0]
+    assert 'VAE_STEPS' in vae_command and '--train_data_dir' not in vae_command and '--dataset' not in vae_command
+
+
 def test_finetune_a_local_stable_diffusion_folder(tmp_path):
     "--pretrained_model_name_or_path on a diffusers-made SD folder: its VAE, tokenizer, text encoder and UNet are loaded, the UNet trains, the result loads in StableDiffusionPipeline."
     from diffusers import StableDiffusionPipeline
