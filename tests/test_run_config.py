@@ -83,12 +83,13 @@ def test_main_job_config_is_the_main_recipe():
     assert 'main_vae.yaml' in (ROOT/'Makefile').read_text() and 'main_ldm.yaml' in (ROOT/'Makefile').read_text()
 
 
-def test_main_vae_sees_one_and_two_objects():
-    "The main VAE trains on one- and two-object scenes (the editors' add/remove targets need both: README), and the Makefile does not override that data."
-    r = resolve('train_vae', ['--config', str(ROOT/'scripts'/'configs'/'main_vae.yaml')])
-    assert (r['train'].max_steps, r['data'].dataset) == (1000, 'shapes:level=mixed')
-    vae_command = (ROOT/'Makefile').read_text().split('scripts/train_vae.py')[1].split('$(LAUNCH)')[0]
-    assert 'VAE_STEPS' in vae_command and '--train_data_dir' not in vae_command and '--dataset' not in vae_command
+def test_main_vae_data_follows_the_task(tmp_path):
+    "`make main` trains the text-to-image VAE on the single-object folder and the TASK=edit VAE on one- and two-object scenes (the editors add and remove a second object: README)."
+    def vae_command(*args):
+        p = run(['make', '-n', '-s', 'main', f'MAIN={tmp_path}', *args])
+        return next(l for l in p.stdout.splitlines() if 'scripts/train_vae.py' in l)
+    assert f'--train_data_dir {tmp_path}/shapes/imagefolder/train' in vae_command() and 'level=mixed' not in vae_command()
+    assert '--dataset_name shapes:level=mixed' in vae_command('TASK=edit') and '--train_data_dir' not in vae_command('TASK=edit')
 
 
 def test_finetune_a_local_stable_diffusion_folder(tmp_path):
