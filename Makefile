@@ -59,7 +59,8 @@ test: check sysdeps
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
 # TASK=edit (FAMILY=ldm or gpt): the family's text-to-image model above (trained first unless MAIN already holds it;
 #   for ldm its VAE then sees two-object scenes too, see VAE_DATA) is fine-tuned into an instruction-based editor on
-#   Shapes edits (recipe scripts/configs/main_edit_FAMILY.yaml), then held-out edits are sampled and scored: edit accuracy (change made, rest unchanged), per kind, SSIM to the target.
+#   Shapes edits (recipe scripts/configs/main_edit_FAMILY.yaml), then held-out edits are sampled and scored: edit
+#   accuracy (change made, rest unchanged), per kind, and SSIM to the target.
 # VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt), GLIDE_STEPS / UP_STEPS (glide) and EDIT_STEPS (TASK=edit)
 # override the recipes' step counts.
 FAMILY ?= ldm
