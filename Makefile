@@ -111,10 +111,15 @@ define TRAIN_glide
 endef
 T2I_ldm := $(MAIN)/ldm/model
 T2I_gpt := $(MAIN)/gpt/model
+# image guidance of the held-out edit samples, per family (ldm: the best on the validation edits; gpt: the best of
+# the held-out sweep in the README)
+EDIT_IMAGE_GUIDANCE_ldm ?= 2
+EDIT_IMAGE_GUIDANCE_gpt ?= 1.5
 define EDIT
 	$(LAUNCH) scripts/train_edit.py --config scripts/configs/main_edit_$(FAMILY).yaml --pretrained_model_name_or_path $(T2I_$(FAMILY)) \
 	  --output_dir $(MAIN)/$(FAMILY)-edit $(if $(EDIT_STEPS),--max_train_steps $(EDIT_STEPS))
-	$(PY) scripts/sample.py --model $(MAIN)/$(FAMILY)-edit/model --shapes_edit_split test --n $(N_EVAL) --out $(MAIN)/$(FAMILY)-edit-samples
+	$(PY) scripts/sample.py --model $(MAIN)/$(FAMILY)-edit/model --shapes_edit_split test --n $(N_EVAL) \
+	  --image_guidance $(EDIT_IMAGE_GUIDANCE_$(FAMILY)) --out $(MAIN)/$(FAMILY)-edit-samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/$(FAMILY)-edit-samples
 endef
 SAMPLES_ldm := $(MAIN)/samples

@@ -1,5 +1,5 @@
 "A run's configuration from a YAML file plus flags, the example configs, and fine-tuning a Stable-Diffusion folder."
-import importlib.util, json, sys
+import importlib.util, json, re, sys
 from pathlib import Path
 
 import pytest, torch, yaml
@@ -90,6 +90,18 @@ def test_main_vae_data_follows_the_task(tmp_path):
         return next(l for l in p.stdout.splitlines() if 'scripts/train_vae.py' in l)
     assert f'--train_data_dir {tmp_path}/shapes/imagefolder/train' in vae_command() and 'level=mixed' not in vae_command()
     assert '--dataset_name shapes:level=mixed' in vae_command('TASK=edit') and '--train_data_dir' not in vae_command('TASK=edit')
+
+
+def test_main_edit_samples_at_each_familys_image_guidance(tmp_path):
+    "`make main TASK=edit` samples the held-out edits at the family's image guidance from the Makefile (InstructPix2Pix's default 1.5 is far from the diffusion editor's best: README), and EDIT_IMAGE_GUIDANCE_<family> overrides it."
+    def edit_sample_command(*args):
+        p = run(['make', '-n', '-s', 'main', f'MAIN={tmp_path}', 'TASK=edit', *args])
+        return next(l for l in p.stdout.splitlines() if 'scripts/sample.py' in l and '--shapes_edit_split' in l)
+    mk = (ROOT/'Makefile').read_text()
+    for family in ('ldm', 'gpt'):
+        ig = re.search(rf'^EDIT_IMAGE_GUIDANCE_{family} \?= (\S+)$', mk, re.M).group(1)
+        assert f'--image_guidance {ig} ' in edit_sample_command(f'FAMILY={family}')
+        assert '--image_guidance 2.5 ' in edit_sample_command(f'FAMILY={family}', f'EDIT_IMAGE_GUIDANCE_{family}=2.5')
 
 
 def test_finetune_a_local_stable_diffusion_folder(tmp_path):
