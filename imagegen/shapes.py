@@ -195,9 +195,8 @@ class ShapesDataset(torch.utils.data.Dataset):
     "Shapes images of one split and level (1: one object, 2: two objects with a relation, 'mixed': both in turn), rendered on demand."
     def __init__(self, split:str='train', level:int|str=1, resolution:int=32, n:int|None=None, seed:int=0, held_out=HELD_OUT):
         if split not in SPLITS: raise ValueError(f"Unknown split {split!r}: use one of {SPLITS}.")
-        if isinstance(level, (int, float, np.integer, np.floating)) and not isinstance(level, bool) and level in (1, 2): level = int(level)
-        if isinstance(level, bool) or level not in (1, 2, 'mixed'):
-            raise ValueError(f"Shapes level must be 1, 2 or 'mixed' (both in turn), got {level!r}.")
+        if isinstance(level, bool) or level not in (1, 2, 'mixed'): raise ValueError(f"Shapes level must be 1, 2 or 'mixed' (both in turn), got {level!r}.")
+        if level != 'mixed': level = int(level)   # 2.0 or a numpy int: a plain int, as it seeds the rng
         if resolution < 16: raise ValueError(f"Shapes needs a resolution of at least 16 px, got {resolution}.")
         self.split, self.level, self.resolution, self.seed, self.held_out = split, level, int(resolution), int(seed), held_out
         self.n = DEFAULT_N[split] if n is None else int(n)
