@@ -83,20 +83,22 @@ def test_main_job_config_is_the_main_recipe():
     assert 'main_vae.yaml' in (ROOT/'Makefile').read_text() and 'main_ldm.yaml' in (ROOT/'Makefile').read_text()
 
 
+def main_command(tmp_path, *needles, args=()):
+    "The first line of `make -n main MAIN=tmp_path ARGS` that holds every needle."
+    p = run(['make', '-n', '-s', 'main', f'MAIN={tmp_path}', *args])
+    return next(l for l in p.stdout.splitlines() if all(n in l for n in needles))
+
+
 def test_main_vae_data_follows_the_task(tmp_path):
     "`make main` trains the text-to-image VAE on the single-object folder and the TASK=edit VAE on one- and two-object scenes (the editors add and remove a second object: README)."
-    def vae_command(*args):
-        p = run(['make', '-n', '-s', 'main', f'MAIN={tmp_path}', *args])
-        return next(l for l in p.stdout.splitlines() if 'scripts/train_vae.py' in l)
+    vae_command = lambda *args: main_command(tmp_path, 'scripts/train_vae.py', args=args)
     assert f'--train_data_dir {tmp_path}/shapes/imagefolder/train' in vae_command() and 'level=mixed' not in vae_command()
     assert '--dataset_name shapes:level=mixed' in vae_command('TASK=edit') and '--train_data_dir' not in vae_command('TASK=edit')
 
 
 def test_main_edit_samples_at_each_familys_image_guidance(tmp_path):
-    "`make main TASK=edit` samples the held-out edits at the family's image guidance from the Makefile (InstructPix2Pix's default 1.5 is far from the diffusion editor's best: README), and EDIT_IMAGE_GUIDANCE_<family> overrides it."
-    def edit_sample_command(*args):
-        p = run(['make', '-n', '-s', 'main', f'MAIN={tmp_path}', 'TASK=edit', *args])
-        return next(l for l in p.stdout.splitlines() if 'scripts/sample.py' in l and '--shapes_edit_split' in l)
+    "`make main TASK=edit` samples the held-out edits at the family's image guidance from the Makefile (not InstructPix2Pix's default 1.5; the choice: README), and EDIT_IMAGE_GUIDANCE_<family> overrides it."
+    edit_sample_command = lambda *args: main_command(tmp_path, 'scripts/sample.py', '--shapes_edit_split', args=('TASK=edit', *args))
     mk = (ROOT/'Makefile').read_text()
     for family in ('ldm', 'gpt'):
         ig = re.search(rf'^EDIT_IMAGE_GUIDANCE_{family} \?= (\S+)$', mk, re.M).group(1)
