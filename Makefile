@@ -58,9 +58,9 @@ test: check sysdeps
 #                         main_glide_upsampler.yaml); Shapes is also rendered at 128 px for the upsampler
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
 # TASK=edit (FAMILY=ldm or gpt): the family's text-to-image model above (trained first unless MAIN already holds it;
-#   for ldm its VAE then sees two-object scenes too, see VAE_DATA) is fine-tuned into an instruction-based editor on
-#   Shapes edits (recipe scripts/configs/main_edit_FAMILY.yaml), then held-out edits are sampled and scored: edit
-#   accuracy (change made, rest unchanged), per kind, and SSIM to the target.
+#   its first stage, VAE or VQ-VAE, then sees two-object scenes too, see FIRST_STAGE_DATA) is fine-tuned into an
+#   instruction-based editor on Shapes edits (recipe scripts/configs/main_edit_FAMILY.yaml), then held-out edits are
+#   sampled and scored: edit accuracy (change made, rest unchanged), per kind, and SSIM to the target.
 # VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt), GLIDE_STEPS / UP_STEPS (glide) and EDIT_STEPS (TASK=edit)
 # override the recipes' step counts.
 FAMILY ?= ldm
@@ -79,12 +79,13 @@ N_TRAIN ?= 10000
 # on CPU, one process that uses every core (accelerate launch alone would pin it to one thread)
 LAUNCH := $(BIN)/accelerate launch $(if $(ACCELERATE_USE_CPU),--num_processes 1 --num_cpu_threads_per_process $(shell nproc),)
 TRAIN_DATA = $(MAIN)/shapes/imagefolder/train
-# TASK=edit trains its VAE on one- and two-object scenes in turn: its editors add and remove a second object, which a
-# VAE trained on the single-object folder drops (first-stage ceilings in the README); text-to-image keeps that folder
-VAE_DATA = $(if $(filter edit,$(TASK)),--dataset_name shapes:level=mixed,--train_data_dir $(TRAIN_DATA))
+# TASK=edit trains its first stage (VAE or VQ-VAE) on one- and two-object scenes in turn: its editors add and remove a
+# second object, which a first stage trained on the single-object folder drops (first-stage ceilings in the README);
+# text-to-image keeps that folder
+FIRST_STAGE_DATA = $(if $(filter edit,$(TASK)),--dataset_name shapes:level=mixed,--train_data_dir $(TRAIN_DATA))
 define TRAIN_ldm
 	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_vae.yaml --output_dir $(MAIN)/vae \
-	  $(VAE_DATA) $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
+	  $(FIRST_STAGE_DATA) $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
 	$(LAUNCH) scripts/train_ldm.py --config scripts/configs/main_ldm.yaml --output_dir $(MAIN)/ldm --vae $(MAIN)/vae/model \
 	  --train_data_dir $(TRAIN_DATA) $(if $(LDM_STEPS),--max_train_steps $(LDM_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples
@@ -92,7 +93,7 @@ define TRAIN_ldm
 endef
 define TRAIN_gpt
 	$(LAUNCH) scripts/train_vqvae.py --config scripts/configs/main_vqvae.yaml --output_dir $(MAIN)/vqvae \
-	  --train_data_dir $(TRAIN_DATA) $(if $(VQ_STEPS),--max_train_steps $(VQ_STEPS))
+	  $(FIRST_STAGE_DATA) $(if $(VQ_STEPS),--max_train_steps $(VQ_STEPS))
 	$(LAUNCH) scripts/train_gpt.py --config scripts/configs/main_gpt.yaml --output_dir $(MAIN)/gpt --vqvae $(MAIN)/vqvae/model \
 	  --train_data_dir $(TRAIN_DATA) $(if $(GPT_STEPS),--max_train_steps $(GPT_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/gpt/model --shapes_split test --n $(N_EVAL) --out $(MAIN)/gpt-samples
@@ -111,10 +112,9 @@ define TRAIN_glide
 endef
 T2I_ldm := $(MAIN)/ldm/model
 T2I_gpt := $(MAIN)/gpt/model
-# image guidance of the held-out edit samples, per family (ldm: the best on the validation edits; gpt: the best of
-# the held-out sweep in the README)
+# image guidance of the held-out edit samples, per family: the best on 200 validation edits (README)
 EDIT_IMAGE_GUIDANCE_ldm ?= 2
-EDIT_IMAGE_GUIDANCE_gpt ?= 1.5
+EDIT_IMAGE_GUIDANCE_gpt ?= 2
 define EDIT
 	$(LAUNCH) scripts/train_edit.py --config scripts/configs/main_edit_$(FAMILY).yaml --pretrained_model_name_or_path $(T2I_$(FAMILY)) \
 	  --output_dir $(MAIN)/$(FAMILY)-edit $(if $(EDIT_STEPS),--max_train_steps $(EDIT_STEPS))

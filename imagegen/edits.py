@@ -21,9 +21,10 @@ from .data import (DataConfig, _png, write_shards, ImageTransform, HFSource, Sha
 
 # %% auto #0
 __all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'ShapeEdit', 'edit_instructions', 'sample_edit',
-           'ShapesEdits', 'score_edit', 'edit_report', 'write_edit_folder', 'edit_members', 'write_edit_shards',
-           'decode_edit_sample', 'EditHFSource', 'ShapesEditSource', 'make_edit_dataset', 'edit_dropout_masks',
-           'prepare_sources', 'edit_sample_grid', 'EditDataConfig', 'EditConfig', 'make_edit_optimizer']
+           'ShapesEdits', 'score_edit', 'held_out_side', 'edit_report', 'write_edit_folder', 'edit_members',
+           'write_edit_shards', 'decode_edit_sample', 'EditHFSource', 'ShapesEditSource', 'make_edit_dataset',
+           'edit_dropout_masks', 'prepare_sources', 'edit_sample_grid', 'EditDataConfig', 'EditConfig',
+           'make_edit_optimizer']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -188,19 +189,27 @@ def score_edit(oracle:ShapesOracle, image, edit:ShapeEdit|dict) -> dict:
     preserved = all(v for k, v in ok.items() if k not in changed)
     return {'target': bool(target), 'preserved': bool(preserved), 'correct': bool(target and preserved), 'count': bool(count)}
 
+def held_out_side(edit:ShapeEdit|dict, held_out=HELD_OUT) -> str:
+    "Where the edit's held-out colour–shape pairs are: 'none', 'source' (only), 'target' (only) or 'both'."
+    e, pairs = ShapeEdit.from_dict(edit), {tuple(p) for p in held_out}
+    src, tgt = (any((o.color, o.shape) in pairs for o in sc.objects) for sc in (e.source, e.target))
+    return {(False, False): 'none', (True, False): 'source', (False, True): 'target', (True, True): 'both'}[src, tgt]
+
 def _ssim(images, targets) -> list[float]:
     from torchmetrics.functional.image import structural_similarity_index_measure as ssim
     t = lambda im, size: torch.from_numpy(np.asarray(im.convert('RGB').resize(size, Image.BICUBIC), np.float32) / 255).permute(2, 0, 1)
     return [float(ssim(t(a, b.size)[None], t(b, b.size)[None], data_range=1.0)) for a, b in zip(images, targets)]
 
 def edit_report(oracle:ShapesOracle, images, edits, targets=None, per_image:bool=False) -> dict:
-    "Edit accuracy (`correct`), `target` and `preserved` rates overall and per kind; mean `ssim` to `targets` when given."
+    "Edit accuracy (`correct`), `target` and `preserved` rates overall, per kind and per `held_out_side`; mean `ssim` to `targets` when given."
     edits = [ShapeEdit.from_dict(e) for e in edits]
     rows = [score_edit(oracle, im, e) for im, e in zip(images, edits, strict=True)]
     mean = lambda rs, k: float(np.mean([r[k] for r in rs])) if rs else float('nan')
     out = {k: mean(rows, k) for k in ('correct', 'target', 'preserved')}
-    out['per_kind'] = {kind: {k: mean(rs, k) for k in ('correct', 'target', 'preserved')} | {'n': len(rs)}
-                       for kind in EDIT_KINDS if (rs := [r for r, e in zip(rows, edits) if e.kind == kind])}
+    groups = lambda keys, key_of: {g: {k: mean(rs, k) for k in ('correct', 'target', 'preserved')} | {'n': len(rs)}
+                                   for g in keys if (rs := [r for r, e in zip(rows, edits) if key_of(e) == g])}
+    out['per_kind'] = groups(EDIT_KINDS, lambda e: e.kind)
+    out['per_held_out'] = groups(('none', 'source', 'target', 'both'), held_out_side)
     if targets is not None:
         s = _ssim(images, targets)
         out['ssim'] = float(np.mean(s))

@@ -36,12 +36,13 @@ def real_images(rows:list[dict], real:str|None) -> list[Image.Image]|None:
     return None
 
 def edit_metrics(rows:list[dict], first_stage=None) -> dict:
-    "Edit accuracy of the rows' images against their Shapes edits: the oracle's verdicts, per kind too, and SSIM to the true target render; with a `first_stage`, the edit accuracy of its reconstructions of the true targets (`first_stage/edit/...`, the ceiling of a model in its space)."
+    "Edit accuracy of the rows' images against their Shapes edits: the oracle's verdicts, per kind and per side of the held-out pairs (`edit/held_out_SIDE/...`, `imagegen.edits.held_out_side`) too, and SSIM to the true target render; with a `first_stage`, the edit accuracy of its reconstructions of the true targets (`first_stage/edit/...`, the ceiling of a model in its space)."
     edits = [ShapeEdit.from_dict(r['edit']) for r in rows]
     targets = [render(e.target, r['image'].size[0]) for e, r in zip(edits, rows)]
     rep = edit_report(ShapesOracle(), [r['image'] for r in rows], edits, targets)
     out = {f'edit/{k}': rep[k] for k in ('correct', 'target', 'preserved', 'ssim')}
     for kind, v in rep['per_kind'].items(): out.update({f'edit/{kind}/{k}': v[k] for k in ('correct', 'target', 'preserved', 'n')})
+    for side, v in rep['per_held_out'].items(): out.update({f'edit/held_out_{side}/{k}': v[k] for k in ('correct', 'n')})
     if first_stage is not None:
         ceil = edit_report(ShapesOracle(), reconstruct(first_stage, targets), edits)
         out['first_stage/edit/correct'] = ceil['correct']
@@ -153,6 +154,9 @@ def main(argv:list[str]|None=None) -> dict|None:
     if has_edits:
         print(f"edit accuracy (the change made, nothing else changed): {m['edit/correct']:.3f} on {len(rows)} edits; change made "
               f"{m['edit/target']:.3f}, rest unchanged {m['edit/preserved']:.3f}, SSIM to the target {m['edit/ssim']:.3f}")
+        print("  by where the held-out colour-shape pairs are: " + ', '.join(
+            f"{side} {m[f'edit/held_out_{side}/correct']:.3f} (n={m[f'edit/held_out_{side}/n']})" for side in ('none', 'source', 'target', 'both')
+            if f'edit/held_out_{side}/n' in m))
     if 'first_stage/color_and_shape' in m:
         print(f"first-stage ceiling (oracle on {stage_dir.name} reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
     if 'first_stage/edit/correct' in m:

@@ -89,11 +89,12 @@ def main_command(tmp_path, *needles, args=()):
     return next(l for l in p.stdout.splitlines() if all(n in l for n in needles))
 
 
-def test_main_vae_data_follows_the_task(tmp_path):
-    "`make main` trains the text-to-image VAE on the single-object folder and the TASK=edit VAE on one- and two-object scenes (the editors add and remove a second object: README)."
-    vae_command = lambda *args: main_command(tmp_path, 'scripts/train_vae.py', args=args)
-    assert f'--train_data_dir {tmp_path}/shapes/imagefolder/train' in vae_command() and 'level=mixed' not in vae_command()
-    assert '--dataset_name shapes:level=mixed' in vae_command('TASK=edit') and '--train_data_dir' not in vae_command('TASK=edit')
+def test_main_first_stage_data_follows_the_task(tmp_path):
+    "`make main` trains the text-to-image first stage (VAE or VQ-VAE) on the single-object folder and the TASK=edit one on one- and two-object scenes (the editors add and remove a second object: README)."
+    for family, script in (('ldm', 'scripts/train_vae.py'), ('gpt', 'scripts/train_vqvae.py')):
+        command = lambda *args: main_command(tmp_path, script, args=(f'FAMILY={family}', *args))
+        assert f'--train_data_dir {tmp_path}/shapes/imagefolder/train' in command() and 'level=mixed' not in command()
+        assert '--dataset_name shapes:level=mixed' in command('TASK=edit') and '--train_data_dir' not in command('TASK=edit')
 
 
 def test_main_edit_samples_at_each_familys_image_guidance(tmp_path):
