@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np, pytest, torch
 from PIL import Image
 from conftest import ROOT, run, launch, rank_records
+from imagegen.edits import EDIT_KINDS
 
 
 @pytest.fixture(scope='module')
@@ -78,8 +79,9 @@ def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     assert (tmp_path/'two'/'sources'/'000004.png').exists() and (tmp_path/'two'/'grid.png').exists()
     s0, s1 = rank_records(tmp_path/'sprobe', 2)
     assert s1['writes'] == [], f"rank 1 wrote {s1['writes']}"
-    # the edit metrics cover every edit, per kind too
+    # the edit metrics cover every edit, per kind and per side of the held-out pairs too
     run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'two'), '--feature', 'random'])
     m = json.loads((tmp_path/'two'/'metrics.json').read_text())
-    assert sum(v for k, v in m.items() if k.startswith('edit/') and k.endswith('/n')) == 5
+    n_of = lambda groups: sum(m.get(f'edit/{g}/n', 0) for g in groups)
+    assert n_of(EDIT_KINDS) == 5 and n_of(f'held_out_{s}' for s in ('none', 'source', 'target', 'both')) == 5
     assert 0 <= m['edit/correct'] <= m['edit/target'] <= 1 and 0 <= m['edit/ssim'] <= 1
