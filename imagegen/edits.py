@@ -20,11 +20,11 @@ from .data import (DataConfig, _png, write_shards, ImageTransform, HFSource, Sha
                            caption_list, open_image, load_hf, looks_like_path, to_rgb, _is_shards, _parse_options)
 
 # %% auto #0
-__all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'ShapeEdit', 'edit_instructions', 'sample_edit',
-           'ShapesEdits', 'score_edit', 'held_out_side', 'edit_report', 'write_edit_folder', 'edit_members',
-           'write_edit_shards', 'decode_edit_sample', 'EditHFSource', 'ShapesEditSource', 'make_edit_dataset',
-           'edit_dropout_masks', 'prepare_sources', 'edit_sample_grid', 'EditDataConfig', 'EditConfig',
-           'make_edit_optimizer']
+__all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'HELD_OUT_SIDES', 'ShapeEdit', 'edit_instructions',
+           'sample_edit', 'ShapesEdits', 'score_edit', 'held_out_side', 'edit_report', 'write_edit_folder',
+           'edit_members', 'write_edit_shards', 'decode_edit_sample', 'EditHFSource', 'ShapesEditSource',
+           'make_edit_dataset', 'edit_dropout_masks', 'prepare_sources', 'edit_sample_grid', 'EditDataConfig',
+           'EditConfig', 'make_edit_optimizer']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -189,6 +189,8 @@ def score_edit(oracle:ShapesOracle, image, edit:ShapeEdit|dict) -> dict:
     preserved = all(v for k, v in ok.items() if k not in changed)
     return {'target': bool(target), 'preserved': bool(preserved), 'correct': bool(target and preserved), 'count': bool(count)}
 
+HELD_OUT_SIDES = ('none', 'source', 'target', 'both')
+
 def held_out_side(edit:ShapeEdit|dict, held_out=HELD_OUT) -> str:
     "Where the edit's held-out colour–shape pairs are: 'none', 'source' (only), 'target' (only) or 'both'."
     e, pairs = ShapeEdit.from_dict(edit), {tuple(p) for p in held_out}
@@ -209,7 +211,7 @@ def edit_report(oracle:ShapesOracle, images, edits, targets=None, per_image:bool
     groups = lambda keys, key_of: {g: {k: mean(rs, k) for k in ('correct', 'target', 'preserved')} | {'n': len(rs)}
                                    for g in keys if (rs := [r for r, e in zip(rows, edits) if key_of(e) == g])}
     out['per_kind'] = groups(EDIT_KINDS, lambda e: e.kind)
-    out['per_held_out'] = groups(('none', 'source', 'target', 'both'), held_out_side)
+    out['per_held_out'] = groups(HELD_OUT_SIDES, held_out_side)
     if targets is not None:
         s = _ssim(images, targets)
         out['ssim'] = float(np.mean(s))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from imagegen.metrics import evaluate_images, first_stage_report, reconstruct, to_unit_batch, write_metrics_json
 from imagegen.shapes import Scene, ShapesOracle, render
-from imagegen.edits import EDIT_KINDS, ShapeEdit, edit_report
+from imagegen.edits import EDIT_KINDS, HELD_OUT_SIDES, ShapeEdit, edit_report
 
 def read_samples(folder:Path|str) -> list[dict]:
     "Rows of `samples.jsonl` with their images loaded (clear errors for a missing index or image)."
@@ -155,7 +155,7 @@ def main(argv:list[str]|None=None) -> dict|None:
         print(f"edit accuracy (the change made, nothing else changed): {m['edit/correct']:.3f} on {len(rows)} edits; change made "
               f"{m['edit/target']:.3f}, rest unchanged {m['edit/preserved']:.3f}, SSIM to the target {m['edit/ssim']:.3f}")
         print("  by where the held-out colour-shape pairs are: " + ', '.join(
-            f"{side} {m[f'edit/held_out_{side}/correct']:.3f} (n={m[f'edit/held_out_{side}/n']})" for side in ('none', 'source', 'target', 'both')
+            f"{side} {m[f'edit/held_out_{side}/correct']:.3f} (n={m[f'edit/held_out_{side}/n']})" for side in HELD_OUT_SIDES
             if f'edit/held_out_{side}/n' in m))
     if 'first_stage/color_and_shape' in m:
         print(f"first-stage ceiling (oracle on {stage_dir.name} reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np, pytest, torch
 from PIL import Image
 from conftest import ROOT, run, launch, rank_records
-from imagegen.edits import EDIT_KINDS
+from imagegen.edits import EDIT_KINDS, HELD_OUT_SIDES
 
 
 @pytest.fixture(scope='module')
@@ -83,5 +83,5 @@ def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'two'), '--feature', 'random'])
     m = json.loads((tmp_path/'two'/'metrics.json').read_text())
     n_of = lambda groups: sum(m.get(f'edit/{g}/n', 0) for g in groups)
-    assert n_of(EDIT_KINDS) == 5 and n_of(f'held_out_{s}' for s in ('none', 'source', 'target', 'both')) == 5
+    assert n_of(EDIT_KINDS) == 5 and n_of(f'held_out_{s}' for s in HELD_OUT_SIDES) == 5
     assert 0 <= m['edit/correct'] <= m['edit/target'] <= 1 and 0 <= m['edit/ssim'] <= 1
