@@ -398,6 +398,7 @@ class EditConfig(Config):
     conditioning_dropout_prob: float = 0.05   # instruction dropped in 2p of the samples, the source in 2p, both in p
     train_text_encoder: bool|None = None      # None: as the checkpoint's run did
     source_lr_scale: float = 1.0              # learning-rate multiplier of the weights that read the source (see the editors)
+    token_noise: float|None = None            # GPT family: share of the target tokens the editor reads as random codes; None: the checkpoint's
     cache_dir: str|None = None                # Hub cache
 
     presets: ClassVar[dict[str, dict]] = {'default': {}}
@@ -406,6 +407,8 @@ class EditConfig(Config):
         if not 0 <= self.conditioning_dropout_prob <= 1 / 3:
             raise ConfigError(f"EditConfig.conditioning_dropout_prob={self.conditioning_dropout_prob}: must be in [0, 1/3] (diffusers' default 0.05).")
         if not self.source_lr_scale > 0: raise ConfigError(f"EditConfig.source_lr_scale={self.source_lr_scale}: must be > 0 (1: the run's learning rate).")
+        if self.token_noise is not None and not 0 <= self.token_noise < 1:
+            raise ConfigError(f"EditConfig.token_noise={self.token_noise}: must be in [0, 1) (None: the checkpoint's).")
 
     @property
     def family(self) -> str:

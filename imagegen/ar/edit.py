@@ -4,7 +4,7 @@
 
 # %% ../../nbs/05c_edit.ipynb #cbac66bf
 from __future__ import annotations
-import copy, json
+import copy, dataclasses, json
 from pathlib import Path
 import torch
 from fastcore.basics import patch
@@ -50,6 +50,7 @@ class GPTEditor(TextToImageGPT):
         if meta.get('task') == 'edit': m = cls.from_pretrained(path, train_text_encoder=cfg.train_text_encoder)
         else: m = cls.from_text_to_image(TextToImageGPT.from_pretrained(path, train_text_encoder=cfg.train_text_encoder))
         m.conditioning_dropout_prob, m.source_lr_scale = cfg.conditioning_dropout_prob, cfg.source_lr_scale
+        if cfg.token_noise is not None: m.config = dataclasses.replace(m.config or GPTConfig(), token_noise=cfg.token_noise)   # saved with the editor
         return m
 
 # %% ../../nbs/05c_edit.ipynb #e573a2ed

@@ -11,6 +11,7 @@ from torch import nn
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers import AutoencoderKL, StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
 from fastcore.basics import patch
+from ..config import ConfigError
 from ..edits import EditConfig, edit_dropout_masks, edit_sample_grid, make_edit_optimizer, prepare_sources
 from .ldm import LatentDiffusion, LDM_FILE
 from .sampling import make_scheduler, sample_latents
@@ -128,6 +129,8 @@ def from_pretrained(cls:LatentEditor, path:str|Path, **kwargs) -> LatentEditor:
 def from_edit_config(cls:LatentEditor, cfg:EditConfig) -> LatentEditor:
     "The editor of an editing run (`EditConfig.build` calls this for diffusion checkpoints): a text-to-image model widened, or an editor as it is."
     path, hub = cfg.pretrained_model_name_or_path, dict(cache_dir=cfg.cache_dir, revision=cfg.revision)
+    if cfg.token_noise is not None: raise ConfigError(f"--token_noise {cfg.token_noise}: {path} is a diffusion model, which reads no tokens; "
+                                                      "token noise is an option of latent GPT editors. Leave it unset.")
     unet_in = UNet2DConditionModel.load_config(path, subfolder='unet', **hub)['in_channels']
     latent = AutoencoderKL.load_config(path, subfolder='vae', **hub).get('latent_channels', 4) if unet_in > 4 else None
     kw = dict(train_text_encoder=cfg.train_text_encoder, **hub)
