@@ -114,7 +114,7 @@ T2I_ldm := $(MAIN)/ldm/model
 T2I_gpt := $(MAIN)/gpt/model
 # image guidance of the held-out edit samples, per family: the best on 200 validation edits (README)
 EDIT_IMAGE_GUIDANCE_ldm ?= 2
-EDIT_IMAGE_GUIDANCE_gpt ?= 2
+EDIT_IMAGE_GUIDANCE_gpt ?= 1.5
 define EDIT
 	$(LAUNCH) scripts/train_edit.py --config scripts/configs/main_edit_$(FAMILY).yaml --pretrained_model_name_or_path $(T2I_$(FAMILY)) \
 	  --output_dir $(MAIN)/$(FAMILY)-edit $(if $(EDIT_STEPS),--max_train_steps $(EDIT_STEPS))
