@@ -21,10 +21,10 @@ from .data import (DataConfig, _png, write_shards, ImageTransform, HFSource, Sha
 
 # %% auto #0
 __all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'HELD_OUT_SIDES', 'ShapeEdit', 'edit_instructions',
-           'sample_edit', 'ShapesEdits', 'score_edit', 'held_out_side', 'edit_report', 'write_edit_folder',
-           'edit_members', 'write_edit_shards', 'decode_edit_sample', 'EditHFSource', 'ShapesEditSource',
-           'make_edit_dataset', 'edit_dropout_masks', 'prepare_sources', 'edit_sample_grid', 'EditDataConfig',
-           'EditConfig', 'make_edit_optimizer']
+           'sample_edit', 'ShapesEdits', 'score_edit', 'held_out_side', 'ssim_scores', 'edit_report',
+           'write_edit_folder', 'edit_members', 'write_edit_shards', 'decode_edit_sample', 'EditHFSource',
+           'ShapesEditSource', 'make_edit_dataset', 'edit_dropout_masks', 'prepare_sources', 'edit_sample_grid',
+           'EditDataConfig', 'EditConfig', 'make_edit_optimizer']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -197,7 +197,8 @@ def held_out_side(edit:ShapeEdit|dict, held_out=HELD_OUT) -> str:
     src, tgt = (any((o.color, o.shape) in pairs for o in sc.objects) for sc in (e.source, e.target))
     return {(False, False): 'none', (True, False): 'source', (False, True): 'target', (True, True): 'both'}[src, tgt]
 
-def _ssim(images, targets) -> list[float]:
+def ssim_scores(images, targets) -> list[float]:
+    "SSIM (torchmetrics, data range 1) of each image to its target, at the target's size (an image of another size is resized)."
     from torchmetrics.functional.image import structural_similarity_index_measure as ssim
     t = lambda im, size: torch.from_numpy(np.asarray(im.convert('RGB').resize(size, Image.BICUBIC), np.float32) / 255).permute(2, 0, 1)
     return [float(ssim(t(a, b.size)[None], t(b, b.size)[None], data_range=1.0)) for a, b in zip(images, targets)]
@@ -213,7 +214,7 @@ def edit_report(oracle:ShapesOracle, images, edits, targets=None, per_image:bool
     out['per_kind'] = groups(EDIT_KINDS, lambda e: e.kind)
     out['per_held_out'] = groups(HELD_OUT_SIDES, held_out_side)
     if targets is not None:
-        s = _ssim(images, targets)
+        s = ssim_scores(images, targets)
         out['ssim'] = float(np.mean(s))
         for r, v in zip(rows, s): r['ssim'] = v
     out['n'] = len(rows)
