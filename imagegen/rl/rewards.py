@@ -25,9 +25,9 @@ class Reward:
     def score(self, images:list, prompts:list[str]|None, **context) -> Sequence[float]|torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__}.score")
 
-    def check_context(self, n:int, context:dict) -> None:
-        "Every key in `needs` is given, with one entry per image."
-        for k in self.needs:
+    def check_context(self, n:int, context:dict, keys:Sequence[str]|None=None) -> None:
+        "Every key in `keys` (default: `needs`) is given, with one entry per image."
+        for k in self.needs if keys is None else keys:
             if context.get(k) is None:
                 raise UserError(f"the {self.name!r} reward needs {k!r} (one per image) and got none: {CONTEXT_HELP.get(k, '')}")
             if len(context[k]) != n: raise ValueError(f"the {self.name!r} reward got {n} images but {len(context[k])} {k}.")
@@ -59,9 +59,7 @@ class OracleReward(Reward):
         self.graded, self.oracle = graded, oracle or ShapesOracle()
 
     def check_context(self, n:int, context:dict) -> None:
-        key = 'edits' if context.get('edits') is not None else 'scenes'
-        self.needs = (key,)                       # whichever is given; 'scenes' named when neither is
-        super().check_context(n, context)
+        super().check_context(n, context, ['edits' if context.get('edits') is not None else 'scenes'])   # 'scenes' named when neither is
 
     def score(self, images, prompts, scenes=None, edits=None, **_) -> list[float]|torch.Tensor:
         if edits is None:
