@@ -51,3 +51,34 @@ def test_gpt_grpo_two_ranks_and_resume(tmp_path):
     a0, _ = rank_records(tmp_path/'again', 2)
     assert a0['start_step'] == 4 and a0['resumed_from'].endswith('step_00000004') and a0['end_step'] == 6
     torch.testing.assert_close(a0['params_start'], r0['params'], rtol=0, atol=0)
+
+
+def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
+    "scripts/train_grpo.py under `accelerate launch` on 2 ranks: the run finishes, the grids and the model are written; a latent-diffusion folder is refused in one line."
+    import json, torch
+    from PIL import Image
+    from diffusers import VQModel
+    from imagegen.ar.task import GPTConfig, TextToImageGPT
+    from imagegen.autoencoders.vq import VQTokenizer
+    from imagegen.rl.grpo import ShapesPrompts
+    from conftest import run, ROOT
+    import sys
+    torch.manual_seed(0)
+    vq = VQTokenizer(VQModel(block_out_channels=(16, 32, 32), down_block_types=('DownEncoderBlock2D',) * 3,
+                             up_block_types=('UpDecoderBlock2D',) * 3, latent_channels=8, vq_embed_dim=8, num_vq_embeddings=16,
+                             norm_num_groups=8, sample_size=32))
+    cfg = GPTConfig.preset('tiny', n_layer=1, n_embd=32, n_head=2, text_hidden=32, text_layers=1, vqvae='(in memory)', temperature=1.0)
+    TextToImageGPT.from_config(cfg, corpus=ShapesPrompts()(200, seed=0)[0], tokenizer=vq).save_pretrained(tmp_path/'gpt')
+    out = tmp_path/'grpo'
+    launch('scripts/train_grpo.py', '--pretrained_model_name_or_path', tmp_path/'gpt', '--output_dir', out,
+           '--max_train_steps', 2, '--report_to', 'none', '--prompts_per_step', 1, '--num_generations', 4, '--n_samples', 3)
+    info = json.loads((out/'model'/'run_info.json').read_text())
+    assert info['step'] == 2 and info['config']['grpo']['group_size'] == 4 and info['config']['model']['reward'] is None
+    before, both = Image.open(out/'samples_before.png'), Image.open(out/'before_after.png')
+    assert both.height == 2 * before.height
+    TextToImageGPT.from_pretrained(out/'model')
+    (tmp_path/'ldm').mkdir(); (tmp_path/'ldm'/'model_index.json').write_text('{}')
+    p = run([sys.executable, str(ROOT/'scripts'/'train_grpo.py'), '--pretrained_model_name_or_path', str(tmp_path/'ldm'),
+             '--output_dir', str(tmp_path/'x'), '--report_to', 'none'], check=False)
+    assert p.returncode == 2 and 'latent-diffusion model' in p.stderr and 'Traceback' not in p.stderr, p.stderr
+    assert not (tmp_path/'x').exists()

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np, torch
 from ..config import Config, ConfigError
-from ..shapes import prompt, sample_scene
+from pathlib import Path
+from ..shapes import COLORS, SHAPES, color_shape_pairs, prompt, sample_scene
 
 # %% auto #0
-__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'ShapesPrompts']
+__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'ShapesPrompts', 'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -68,11 +69,47 @@ def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor
     return loss, stats
 
 # %% ../../nbs/06b_grpo.ipynb #aff542a0
+def parse_pairs(pairs, split:str) -> list[tuple[str, str]]:
+    "`['red triangle', ('blue', 'circle'), ...]` as `(colour, shape)` tuples, each checked against `split`'s pairs."
+    allowed, out = color_shape_pairs(split), []
+    for p in pairs:
+        c, _, sh = p.strip().partition(' ') if isinstance(p, str) else (p[0], None, p[1])
+        pair = (str(c).strip(), str(sh).strip())
+        if pair[0] not in COLORS or pair[1] not in SHAPES:
+            raise ConfigError(f"prompt pair {p!r}: write 'colour shape' with a colour of {list(COLORS)} and a shape of {list(SHAPES)}.")
+        if pair not in allowed:
+            raise ConfigError(f"prompt pair {' '.join(pair)!r} is not in the {split!r} split (its pairs: "
+                              f"{', '.join(' '.join(q) for q in allowed)}).")
+        out.append(pair)
+    if not out: raise ConfigError("prompt pairs: give at least one 'colour shape' pair, or none to use the whole split.")
+    return out
+
 class ShapesPrompts:
-    "`prompts(n, seed)` -> n Shapes captions and `{'scenes': [...]}` (scenes of `split` with `level` objects)."
-    def __init__(self, split:str='train', level:int=1): self.split, self.level = split, level
+    "`prompts(n, seed)` -> n Shapes captions and `{'scenes': [...]}` (scenes of `split` with `level` objects, of `pairs` only when given)."
+    def __init__(self, split:str='train', level:int=1, pairs=None):
+        self.split, self.level = split, level
+        self.pairs = None if pairs is None else parse_pairs(pairs, split)
+        every = [(c, s) for c in COLORS for s in SHAPES]
+        # sample_scene draws the test split from `held_out` and the other splits from the rest
+        self.held_out = (None if self.pairs is None else self.pairs if split == 'test'
+                         else [q for q in every if q not in self.pairs])
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
-        scenes = [sample_scene(rng, self.split, self.level) for _ in range(n)]
+        kw = {} if self.held_out is None else {'held_out': self.held_out}
+        scenes = [sample_scene(rng, self.split, self.level, **kw) for _ in range(n)]
         return [prompt(s) for s in scenes], {'scenes': scenes}
-    def __repr__(self): return f"ShapesPrompts(split={self.split!r}, level={self.level})"
+    def __repr__(self):
+        return f"ShapesPrompts(split={self.split!r}, level={self.level}" + (f", pairs={[' '.join(q) for q in self.pairs]})" if self.pairs else ")")
+
+# %% ../../nbs/06b_grpo.ipynb #1edbad85
+class PromptFile:
+    "`prompts(n, seed)` -> n prompts drawn (with replacement) from the lines of a text file, and no context."
+    def __init__(self, path:str|Path):
+        self.path = Path(path)
+        if not self.path.is_file(): raise FileNotFoundError(f"prompt file {self.path} does not exist: give a text file with one prompt per line.")
+        self.lines = [l.strip() for l in self.path.read_text().splitlines() if l.strip()]
+        if not self.lines: raise ConfigError(f"prompt file {self.path} holds no prompt: write one prompt per line.")
+    def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
+        idx = np.random.default_rng(seed).integers(len(self.lines), size=n)
+        return [self.lines[i] for i in idx], {}
+    def __repr__(self): return f"PromptFile({str(self.path)!r}, {len(self.lines)} prompts)"
