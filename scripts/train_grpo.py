@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 from pathlib import Path
-from imagegen.config import Flag, parse_run, run_cli
+from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.rl.grpo import GRPOConfig
 from imagegen.rl.gpt import GRPORunConfig
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
@@ -14,12 +14,13 @@ FLAGS = TRAIN_FLAGS + [Flag('--num_generations', 'grpo.group_size'), Flag('--bet
                        Flag('--epsilon', 'grpo.clip_range'), Flag('--num_iterations', 'model.inner_steps')]
 GRID_SEED = 10_000          # the before/after grids' prompts and images; rollouts draw theirs from the loop's random state
 
-def policy_images(task, prompts:list[str]) -> list:
-    "Images of `prompts` from the task's current policy, image i with seed i (the same seeds before and after)."
+def policy_images(task, prompts:list[str], sources:list|None=None) -> list:
+    "Images of `prompts` (an editor: edits of `sources`) from the task's current policy, image i with seed i (the same seeds before and after)."
     import torch
     from imagegen.grids import to_pil
     device = next(task.model.gpt.parameters()).device
     gens = [torch.Generator(device).manual_seed(i) for i in range(len(prompts))]
+    if task.editor: return to_pil(task.model.edit(sources, prompts, image_guidance_scale=task.ig, generator=gens), value_range=(-1, 1))
     return to_pil(task.model.generate(prompts, generator=gens), value_range=(-1, 1))
 
 def stack_rows(paths:list, labels:list[str], margin:int=48):
@@ -40,21 +41,30 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     tcfg = dataclasses.replace(tcfg, tags={'model': 'gpt', **(tcfg.tags or {})})
     acc = make_accelerator(tcfg)
     task = cfg.build(gcfg).to(acc.device)
-    prompts = list(tcfg.validation_prompts or task.prompts(tcfg.n_samples, seed=GRID_SEED)[0])
+    prompts, ctx = task.prompts(tcfg.n_samples, seed=GRID_SEED)
+    sources = ctx.get('sources')
+    if tcfg.validation_prompts and task.editor: raise ConfigError("--validation_prompts: an editor's grids need source images too; they come from the prompt stream.")
+    prompts = list(tcfg.validation_prompts or prompts)
     task.model.sample_prompts = task.sample_prompts = prompts
+    if task.editor: task.model.sample_sources = sources
     out = Path(tcfg.output_dir)
     before = out/'samples_before.png'
     if acc.is_main_process and not before.exists():
-        first = policy_images(task, prompts)
+        first = policy_images(task, prompts, sources)
         save_grid(first, before, prompts, ncols=len(prompts), min_cell=64)
     summary = train(task, None, tcfg, accelerator=acc, sections={'model': cfg, 'grpo': gcfg})
     if acc.is_main_process:
-        after = policy_images(task, prompts)
+        after = policy_images(task, prompts, sources)
         save_grid(after, out/'samples_after.png', prompts, ncols=len(prompts), min_cell=64)
-        stack_rows([before, out/'samples_after.png'], ['before', 'after']).save(out/'before_after.png')
+        rows, labels = [before, out/'samples_after.png'], ['before', 'after']
+        if task.editor:                                                 # source above, target below
+            save_grid(sources, out/'grid_sources.png', prompts, ncols=len(prompts), min_cell=64)
+            save_grid(ctx['targets'], out/'grid_targets.png', prompts, ncols=len(prompts), min_cell=64)
+            rows, labels = [out/'grid_sources.png', *rows, out/'grid_targets.png'], ['source', *labels, 'target']
+        stack_rows(rows, labels).save(out/'before_after.png')
         logs = summary.get('last_logs') or {}
         shown = {k: round(float(v), 4) for k, v in logs.items() if k.startswith('reward') or k in ('zero_spread_groups', 'clip_frac', 'kl_ref')}
-        print(f"last logged step: {shown}\ngrids: {before} (before), {out/'before_after.png'} (before above, after below)")
+        print(f"last logged step: {shown}\ngrids: {before} (before), {out/'before_after.png'} ({', '.join(labels)}, top to bottom)")
     return summary
 
 def main(argv:list[str]|None=None) -> dict:

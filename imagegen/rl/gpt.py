@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 from ..ar.task import GPTConfig, TextToImageGPT
-from ..config import Config, ConfigError
-from .grpo import GRPOConfig, PromptFile, ShapesPrompts, clipped_objective, group_advantages
+from ..config import Config, ConfigError, UserError
+from ..edits import prepare_sources
+from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward, make_reward
 from ..training.loop import derived_seed
 
@@ -40,35 +41,47 @@ def _text(model:TextToImageGPT, prompts:Sequence[str]) -> tuple[torch.Tensor, to
 # %% ../../nbs/06c_gpt_grpo.ipynb #1b19fe37
 @torch.no_grad()
 def gpt_rollouts(model:TextToImageGPT, prompts:Sequence[str], group_size:int, guidance_scale:float|None=None,
-                 temperature:float|None=None, generator:torch.Generator|None=None, seed:int=0, decode:bool=True) -> dict:
-    "`group_size` samples per prompt (a prompt's samples consecutive): tokens `(B*G, N)`, `sample_logp` `(B*G, N)`, images, prompts."
+                 temperature:float|None=None, generator:torch.Generator|None=None, seed:int=0, decode:bool=True,
+                 source_ids:torch.Tensor|None=None, image_guidance_scale:float=1.0) -> dict:
+    "`group_size` samples per prompt (a prompt's samples consecutive): tokens `(B*G, N)`, `sample_logp` `(B*G, N)`, images, prompts; an editor also takes the sources' tokens `(B, N)`."
     g, t = sampling_settings(model, guidance_scale, temperature)
     expanded = [p for p in prompts for _ in range(group_size)]
     text, cond = _text(model, expanded)
+    src = None if source_ids is None else source_ids.flatten(1).to(text.device).repeat_interleave(group_size, 0)   # (B*G, N)
     generator = generator if generator is not None else torch.Generator(text.device).manual_seed(seed)
     was = model.gpt.training; model.gpt.eval()
-    try: grid, logits = model.gpt.generate_tokens(text, cond_mask=cond, guidance_scale=g, temperature=t, generator=generator, return_logits=True)
+    try: grid, logits = model.gpt.generate_tokens(text, cond_mask=cond, guidance_scale=g, temperature=t, generator=generator, return_logits=True,
+                                                  source_ids=src, image_guidance_scale=image_guidance_scale)
     finally: model.gpt.train(was)
     tokens = grid.flatten(1)                                                             # (B*G, N)
     sample_logp = (logits / t).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)  # what the sampler drew from
     images = model.tokenizer.decode(grid).clamp(-1, 1) if decode else None
-    return dict(prompts=expanded, tokens=tokens, sample_logp=sample_logp, images=images, guidance_scale=g, temperature=t)
+    return dict(prompts=expanded, tokens=tokens, sample_logp=sample_logp, images=images, guidance_scale=g, temperature=t,
+                source_ids=src, image_guidance_scale=image_guidance_scale)
 
 # %% ../../nbs/06c_gpt_grpo.ipynb #9f5808a6
 def gpt_logprobs(model:TextToImageGPT, tokens:torch.Tensor, prompts:Sequence[str], guidance_scale:float, temperature:float,
-                 ratio_on:str='guided', module:torch.nn.Module|None=None) -> torch.Tensor:
-    "Log-probabilities `(B, N)` of sampled `tokens` under the policy (`module`: the model's transformer, or a wrapper of it), differentiable, dropout off."
+                 ratio_on:str='guided', module:torch.nn.Module|None=None, source_ids:torch.Tensor|None=None,
+                 image_guidance_scale:float=1.0) -> torch.Tensor:
+    "Log-probabilities `(B, N)` of sampled `tokens` under the policy (`module`: the model's transformer, or a wrapper of it), differentiable, dropout off; an editor's `source_ids` `(B, N)` and image guidance as the sampler used them."
     if ratio_on not in ('guided', 'conditional'): raise ConfigError(f"ratio_on={ratio_on!r}: 'guided' or 'conditional'.")
     text, cond = _text(model, prompts)
     module = model.gpt if module is None else module
-    guided = ratio_on == 'guided' and guidance_scale != 1.0
+    three = ratio_on == 'guided' and image_guidance_scale != 1.0       # editing: (text + source, source, neither), as generate_tokens
+    guided = three or (ratio_on == 'guided' and guidance_scale != 1.0)
+    k = 3 if three else 2 if guided else 1
+    on, off = torch.ones_like(cond), torch.zeros_like(cond)
+    src = {} if source_ids is None else dict(source_ids=torch.cat([source_ids] * k),
+                                             source_mask=torch.cat([on, on] + [off] * (k - 2)) if guided else on)
     was = module.training
     module.eval()
     try:
-        if guided: logits = module(torch.cat([tokens, tokens]), torch.cat([text, text]), torch.cat([cond, torch.zeros_like(cond)])).logits
-        else: logits = module(tokens, text, cond).logits
+        logits = module(torch.cat([tokens] * k), torch.cat([text] * k), torch.cat([cond] + [off] * (k - 1)), **src).logits
         logits = logits[:, :tokens.shape[1]].float()                                      # slot i predicts token i
-        if guided:
+        if three:
+            ts, s_, u = logits.chunk(3)
+            logits = u + guidance_scale * (ts - s_) + image_guidance_scale * (s_ - u)      # InstructPix2Pix's combination
+        elif guided:
             c, u = logits.chunk(2)
             logits = u + guidance_scale * (c - u)                                        # as the sampler mixes them
         return (logits / temperature).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
@@ -78,8 +91,13 @@ def gpt_logprobs(model:TextToImageGPT, tokens:torch.Tensor, prompts:Sequence[str
 class GPTGRPO:
     "GRPO fine-tuning of a text-to-image latent GPT as a task for the shared loop: `train(GPTGRPO(...), None, train_cfg)`."
     def __init__(self, model:TextToImageGPT, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4,
-                 guidance_scale:float|None=None, temperature:float|None=None, ratio_on:str='guided', inner_steps:int=1):
+                 guidance_scale:float|None=None, temperature:float|None=None, ratio_on:str='guided', inner_steps:int=1,
+                 image_guidance_scale:float|None=None):
         if ratio_on not in ('guided', 'conditional'): raise ConfigError(f"ratio_on={ratio_on!r}: 'guided' or 'conditional'.")
+        self.editor = bool(model.gpt.config.source_tokens)                 # image-to-image: the prompts come with source images
+        if not self.editor and image_guidance_scale not in (None, 1.0):
+            raise ConfigError(f"image_guidance_scale={image_guidance_scale}: it guides an editor toward its source image; this model reads none.")
+        self.ig = float(1.5 if image_guidance_scale is None else image_guidance_scale) if self.editor else 1.0
         if inner_steps < 1 or prompts_per_step < 1: raise ConfigError("inner_steps and prompts_per_step must be >= 1.")
         self.model, self.trainable, self.prompts = model, model.gpt, prompts
         self.reward = reward if isinstance(reward, WeightedReward) else WeightedReward([(reward, 1.0)])
@@ -93,17 +111,28 @@ class GPTGRPO:
         "One batch: prompts with `group_size` samples each, their rewards and advantages, and the log-probabilities the update starts from."
         G = self.grpo.group_size
         prompts, ctx = self.prompts(self.prompts_per_step, seed)
-        ro = gpt_rollouts(self.model, prompts, G, self.g, self.t, seed=seed)
+        src = self.source_tokens(ctx.pop('sources', None)) if self.editor else None
+        ro = gpt_rollouts(self.model, prompts, G, self.g, self.t, seed=seed, source_ids=src, image_guidance_scale=self.ig)
         ctx = {k: [v for v in vals for _ in range(G)] for k, vals in ctx.items()}
         total, parts = self.reward.parts(ro['images'], ro['prompts'], tokens=ro['tokens'], **ctx)
         adv, st = group_advantages(total, G, self.grpo.std_eps, self.grpo.adv_clip)
         with torch.no_grad():
-            old = gpt_logprobs(self.model, ro['tokens'], ro['prompts'], self.g, self.t, self.ratio_on)
-            ref = None if self.ref is None else gpt_logprobs(self.model, ro['tokens'], ro['prompts'], self.g, self.t, self.ratio_on, module=self.ref)
+            kw = dict(source_ids=ro['source_ids'], image_guidance_scale=self.ig)
+            old = gpt_logprobs(self.model, ro['tokens'], ro['prompts'], self.g, self.t, self.ratio_on, **kw)
+            ref = None if self.ref is None else gpt_logprobs(self.model, ro['tokens'], ro['prompts'], self.g, self.t, self.ratio_on, module=self.ref, **kw)
         stats = {f'reward/{k}': v.mean() for k, v in parts.items()} | {k: torch.tensor(v) for k, v in st.items()}
         stats['sampling_logp_gap'] = (old - ro['sample_logp']).abs().max()
         batch = dict(tokens=ro['tokens'], caption=ro['prompts'], adv=adv, old_logp=old, stats=stats)
+        if src is not None: batch['source_ids'] = ro['source_ids']
         return batch if ref is None else batch | {'ref_logp': ref}
+
+    def source_tokens(self, sources) -> torch.Tensor:
+        "An editor's source images (PIL or a tensor in [-1, 1]) as VQ tokens `(B, N)`."
+        if sources is None:
+            raise UserError(f"{type(self.model).__name__} is an editor: its prompt stream must give source images (context 'sources'), "
+                            "as ShapesEditPrompts does.")
+        x = prepare_sources(sources, self.model.resolution).to(self.model.device)
+        with torch.no_grad(): return self.model.tokenizer.encode(x).flatten(1)
 
     def batches(self, accelerator):
         "One rollout batch per pass, yielded `inner_steps` times."
@@ -112,7 +141,8 @@ class GPTGRPO:
         for _ in range(self.inner_steps): yield batch
 
     def loss(self, model:torch.nn.Module, batch:dict) -> dict:
-        logp = gpt_logprobs(self.model, batch['tokens'], batch['caption'], self.g, self.t, self.ratio_on, module=model)
+        logp = gpt_logprobs(self.model, batch['tokens'], batch['caption'], self.g, self.t, self.ratio_on, module=model,
+                            source_ids=batch.get('source_ids'), image_guidance_scale=self.ig)
         loss, st = clipped_objective(logp, batch['old_logp'], batch['adv'], self.grpo.clip_range, ref_logp=batch.get('ref_logp'),
                                      kl_coef=self.grpo.kl_coef)
         return {'loss': loss, **{k: torch.tensor(v) for k, v in st.items() if k != 'policy_loss'}, **batch['stats']}
@@ -143,6 +173,7 @@ class GRPORunConfig(Config):
     guidance_scale: float|None = None         # rollouts' classifier-free guidance; None: the model's sampling config
     temperature: float|None = None            # rollouts' temperature; None: the model's sampling config
     ratio_on: str = 'guided'                  # importance ratio under the 'guided' distribution that sampled, or the 'conditional' one
+    image_guidance_scale: float|None = None   # editors: guidance toward the source image (None: 1.5, the edit recipe's)
     cache_dir: str|None = None                # Hub cache of the CLIP model
 
     presets: ClassVar[dict[str, dict]] = {'default': {}}
@@ -158,9 +189,12 @@ class GRPORunConfig(Config):
     @property
     def reward_weights(self) -> dict[str, float]: return self.reward or {'oracle': 1.0}
 
-    def prompt_source(self):
-        "The prompt stream: `ShapesPrompts` or a `PromptFile`."
-        if self.prompts == 'shapes': return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs)
+    def prompt_source(self, editor:bool=False, resolution:int=32):
+        "The prompt stream: `ShapesPrompts` (an editor: `ShapesEditPrompts` at `resolution`) or a `PromptFile`."
+        if self.prompts == 'shapes':
+            if editor: return ShapesEditPrompts(self.prompt_split, self.prompt_pairs, resolution)
+            return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs)
+        if editor: raise ConfigError("an editor's prompts come with source images: use prompts: shapes (Shapes edits); a prompt file has none.")
         if self.prompt_pairs: raise ConfigError("prompt_pairs narrows Shapes prompts; it does not apply to a prompt file.")
         return PromptFile(self.prompts)
 
@@ -176,17 +210,20 @@ class GRPORunConfig(Config):
                               "(a folder with imagegen_gpt.json, the model/ of a train_gpt.py run).")
         if not (d/'imagegen_gpt.json').exists():
             raise ConfigError(f"{p} holds no imagegen_gpt.json: it is not a latent GPT saved by this repository (train_gpt.py's model/ folder).")
-        model = TextToImageGPT.from_pretrained(d)
-        if model.gpt.config.source_tokens:
-            raise ConfigError(f"{p} is an image editor (it reads a source image): GRPO fine-tunes text-to-image latent GPTs so far.")
-        return model
+        import json
+        if json.loads((d/'imagegen_gpt.json').read_text()).get('task') == 'edit':
+            from imagegen.ar.edit import GPTEditor
+            return GPTEditor.from_pretrained(d)
+        return TextToImageGPT.from_pretrained(d)
 
     def build(self, grpo:GRPOConfig|None=None) -> GPTGRPO:
         "The GRPO task for the shared loop; the rewards' context is checked on one draw of prompts first."
-        model, prompts = self.load_model(), self.prompt_source()
+        model = self.load_model()
+        editor = bool(model.gpt.config.source_tokens)
+        prompts = self.prompt_source(editor, model.resolution)
         weights = self.reward_weights
         reward = make_reward(weights, clip=self.clip_model if 'clip' in weights else None, graded=self.graded)
         _, ctx = prompts(2, seed=0)
         for r, _ in reward.terms: r.check_context(2, ctx)
         return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
-                       self.ratio_on, self.inner_steps)
+                       self.ratio_on, self.inner_steps, self.image_guidance_scale)

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 import numpy as np, torch
 from ..config import Config, ConfigError
 from pathlib import Path
-from ..shapes import COLORS, SHAPES, color_shape_pairs, prompt, sample_scene
+from ..shapes import COLORS, SHAPES, color_shape_pairs, prompt, render, sample_scene
+from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
-__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'ShapesPrompts', 'PromptFile']
+__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'ShapesPrompts', 'ShapesEditPrompts',
+           'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -100,6 +102,26 @@ class ShapesPrompts:
         return [prompt(s) for s in scenes], {'scenes': scenes}
     def __repr__(self):
         return f"ShapesPrompts(split={self.split!r}, level={self.level}" + (f", pairs={[' '.join(q) for q in self.pairs]})" if self.pairs else ")")
+
+# %% ../../nbs/06b_grpo.ipynb #3f3edd6e
+class ShapesEditPrompts:
+    "`prompts(n, seed)` -> n edit instructions and `{'edits', 'sources', 'targets'}` (Shapes edits of `split` at `resolution`, of `pairs` only when given)."
+    def __init__(self, split:str='train', pairs=None, resolution:int=32, kinds=EDIT_KINDS):
+        if bad := [k for k in kinds if k not in EDIT_KINDS]: raise ConfigError(f"unknown edit kinds {bad}: use some of {list(EDIT_KINDS)}.")
+        self.split, self.resolution, self.kinds = split, int(resolution), tuple(kinds)
+        self.pairs = None if pairs is None else parse_pairs(pairs, split)
+        every = [(c, s) for c in COLORS for s in SHAPES]
+        self.held_out = (None if self.pairs is None else self.pairs if split == 'test'
+                         else [q for q in every if q not in self.pairs])
+    def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
+        rng = np.random.default_rng(seed)
+        kw = {} if self.held_out is None else {'held_out': self.held_out}
+        edits = [sample_edit(rng, self.split, self.kinds[int(rng.integers(len(self.kinds)))], **kw) for _ in range(n)]
+        texts = [e.instructions[int(rng.integers(len(e.instructions)))] for e in edits]
+        return texts, {'edits': [e.to_dict() for e in edits], 'sources': [render(e.source, self.resolution) for e in edits],
+                       'targets': [render(e.target, self.resolution) for e in edits]}
+    def __repr__(self):
+        return f"ShapesEditPrompts(split={self.split!r}, resolution={self.resolution}" + (f", pairs={[' '.join(q) for q in self.pairs]})" if self.pairs else ")")
 
 # %% ../../nbs/06b_grpo.ipynb #1edbad85
 class PromptFile:
