@@ -29,7 +29,7 @@ from .tracking import check_tracker, flat_params, run_info, scalars
 # %% auto #0
 __all__ = ['MIXED_PRECISION', 'TRACKERS', 'TRAIN_FLAGS', 'TRACKER_FILE', 'INITIAL_MODEL', 'TrainConfig', 'TrainTask',
            'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer', 'make_accelerator',
-           'TaskStream', 'Trainer', 'mlflow_uri', 'NonFiniteLossError', 'train']
+           'TaskStream', 'Trainer', 'mlflow_uri', 'NonFiniteLossError', 'train', 'OutOfMemory']
 
 # %% ../../nbs/02c_loop.ipynb #beaf4262
 MIXED_PRECISION = ('no', 'fp16', 'bf16')
@@ -606,10 +606,11 @@ def _save_initial_model(self:Trainer) -> Path|None:
 
 @patch
 def fit(self:Trainer) -> dict:
-    "Train until `max_steps`; returns a summary. Raises `Preempted` (exit code 75) after a stop signal, `NonFiniteLossError` after too many bad steps."
+    "Train until `max_steps`; returns a summary. Raises `Preempted` (exit code 75) after a stop signal, `NonFiniteLossError` after too many bad steps, `OutOfMemory` with what to change."
     acc, cfg = self.acc, self.cfg
     self._lock()   # before anything in output_dir is touched: no other live run writes there
     try: return self._fit()
+    except torch.OutOfMemoryError as e: raise self._out_of_memory(e) from e
     finally:
         if self.lock is not None: release_run_lock(self.lock)
 
@@ -680,3 +681,27 @@ def _fit(self:Trainer) -> dict:
 def train(task, dataloader:Iterable|None, cfg:TrainConfig, accelerator:Accelerator|None=None, sections:dict|None=None) -> dict:
     "Train `task` (see `TrainTask`) on `dataloader` (None: the task's own `batches`) with `cfg`; `sections` (e.g. `{'data': data_cfg}`) are recorded in `run_info.json`. Returns a summary (losses of this process's steps, checkpoint, model_dir, images_per_s)."
     return Trainer(task, dataloader, cfg, accelerator, sections).fit()
+
+# %% ../../nbs/02c_loop.ipynb #ccfaf2ff
+class OutOfMemory(UserError, RuntimeError):
+    "The device ran out of memory; the message says what to change."
+
+@patch
+def _out_of_memory(self:Trainer, e:BaseException) -> OutOfMemory:
+    cfg, acc = self.cfg, self.acc
+    dev = acc.device
+    mem = ''
+    if dev.type == 'cuda':
+        total = torch.cuda.get_device_properties(dev).total_memory
+        mem = f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB peak of {total / 2**30:.1f} GiB on {torch.cuda.get_device_name(dev)})"
+    b, a = cfg.batch_size, cfg.grad_accum
+    tips = []
+    if b > 1: tips.append(f"--train_batch_size {max(1, b // 2)} --gradient_accumulation_steps {a * 2} (the same effective batch)")
+    if not cfg.gradient_checkpointing: tips.append("--gradient_checkpointing (recompute activations: less memory, about 30 % slower)")
+    if acc.mixed_precision == 'no': tips.append("--mixed_precision bf16 (half-size activations; fp16 on GPUs without bf16)")
+    if cfg.ema: tips.append("--use_ema false, or keep the EMA on the CPU (it holds a full copy of the weights)")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return OutOfMemory(f"out of memory at step {self.step} on {dev}{mem}: {first}. The run uses batch_size={b} per process, grad_accum={a}, "
+                       f"mixed_precision={acc.mixed_precision}, gradient_checkpointing={cfg.gradient_checkpointing}. To fit, try: "
+                       + '; '.join(tips or ['a smaller model preset or more devices']) +
+                       f". The last checkpoint is {latest_checkpoint(self.ckpt_dir)} (resume with --resume_from_checkpoint latest).")
