@@ -30,9 +30,10 @@ export: install
 check: install
 	$(BIN)/imagegen-export --check
 
-# Debian packages the real-component tests use (a single-host Slurm cluster; Chromium for the JupyterLab browser test).
+# Debian packages the real-component tests use (a single-host Slurm cluster; Chromium for the JupyterLab browser test;
+# Tesseract for the OCR reward).
 # Installed when missing and possible (root + apt-get); otherwise those tests say why they skip.
-SYSDEPS := slurmctld slurmd slurm-client munge chromium
+SYSDEPS := slurmctld slurmd slurm-client munge chromium tesseract-ocr
 sysdeps:
 	@missing=$$(for p in $(SYSDEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then exit 0; fi; \

@@ -14,9 +14,9 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['SHAPES', 'COLORS', 'BACKGROUNDS', 'SIZES', 'SIZE_THRESHOLD', 'POSITIONS', 'RELATIONS', 'SPLITS', 'CROSS_ARM',
            'JITTER', 'COLOR_WORDS', 'SHAPE_WORDS', 'SIZE_WORDS', 'POSITION_WORDS', 'RELATION_WORDS', 'INVERSE_RELATION',
-           'HELD_OUT', 'DEFAULT_N', 'CATEGORIES', 'ShapeObject', 'Scene', 'render', 'captions', 'prompt', 'flip_scene',
-           'flip_caption', 'color_shape_pairs', 'sample_scene', 'ShapesDataset', 'to_array', 'ShapesOracle',
-           'match_objects', 'degrade']
+           'HELD_OUT', 'DEFAULT_N', 'CATEGORIES', 'WORDS', 'ShapeObject', 'Scene', 'render', 'captions', 'prompt',
+           'flip_scene', 'flip_caption', 'color_shape_pairs', 'sample_scene', 'ShapesDataset', 'to_array',
+           'ShapesOracle', 'match_objects', 'degrade', 'text_prompt', 'render_text']
 
 # %% ../nbs/01_shapes.ipynb #43da5178
 SHAPES = ('circle', 'square', 'triangle', 'cross')
@@ -416,3 +416,23 @@ def degrade(image:Image.Image, blur:float=1.0, shift:float=25., noise:float=6., 
     im = image.filter(ImageFilter.GaussianBlur(blur * image.width / 32)) if blur else image
     a = np.asarray(im, float) + rng.uniform(-shift, shift, 3) + rng.normal(0, noise, (im.height, im.width, 3))
     return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
+
+# %% ../nbs/01_shapes.ipynb #10343b44
+WORDS = ('cat', 'dog', 'sun', 'tree', 'fish', 'bird', 'star', 'moon', 'book', 'cake', 'ship', 'frog')
+
+def text_prompt(word:str, color:str) -> str:
+    "The caption of a rendered word: `the word \"cat\" written in blue`."
+    return f'the word "{word}" written in {color}'
+
+def render_text(word:str, resolution:int=64, color:str='blue', background:str='light gray') -> Image.Image:
+    "`word` centred on the background in colour `color`, about half the canvas wide."
+    from PIL import ImageFont
+    if color not in COLORS: raise ValueError(f"Unknown colour {color!r}: use one of {list(COLORS)}.")
+    if not word or not word.isprintable(): raise ValueError(f"render_text needs a printable word, got {word!r}.")
+    im = Image.new('RGB', (resolution, resolution), BACKGROUNDS[background])
+    draw = ImageDraw.Draw(im)
+    size = max(6, int(resolution * 0.9 / max(len(word), 2)))            # about 0.45 of the width per 2 letters
+    font = ImageFont.load_default(size=size)
+    x0, y0, x1, y1 = draw.textbbox((0, 0), word, font=font)
+    draw.text(((resolution - (x1 - x0)) / 2 - x0, (resolution - (y1 - y0)) / 2 - y0), word, fill=COLORS[color], font=font)
+    return im

@@ -13,7 +13,7 @@ from typing import ClassVar
 from ..ar.task import GPTConfig, TextToImageGPT
 from ..config import Config, ConfigError, UserError
 from ..edits import prepare_sources
-from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, clipped_objective, group_advantages
+from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward, make_reward
 from ..training.loop import derived_seed
 
@@ -164,7 +164,7 @@ class GRPORunConfig(Config):
     reward: dict|None = None                  # reward weights, e.g. 'oracle=1,clip=0.5' (names: imagegen.rl.rewards.REWARDS); None: oracle alone
     graded: bool = True                       # oracle reward: partial credit per attribute instead of all-or-nothing
     clip_model: str|None = None               # the 'clip' reward's CLIP model (a folder or Hub id in transformers format)
-    prompts: str = 'shapes'                   # 'shapes' (Shapes scenes, scored by the oracle) or a text file with one prompt per line
+    prompts: str = 'shapes'                   # 'shapes' (Shapes scenes, scored by the oracle), 'shapes-text' (words to render, for the OCR reward) or a text file with one prompt per line
     prompt_split: str = 'train'               # Shapes prompts: the split ('test': the colour-shape pairs the supervised data never shows)
     prompt_level: int = 1                     # Shapes prompts: objects per scene (1 or 2)
     prompt_pairs: list[str]|None = None       # Shapes prompts: only these 'colour shape' pairs of the split
@@ -194,7 +194,8 @@ class GRPORunConfig(Config):
         if self.prompts == 'shapes':
             if editor: return ShapesEditPrompts(self.prompt_split, self.prompt_pairs, resolution)
             return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs)
-        if editor: raise ConfigError("an editor's prompts come with source images: use prompts: shapes (Shapes edits); a prompt file has none.")
+        if editor: raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits); {self.prompts!r} gives none.")
+        if self.prompts == 'shapes-text': return ShapesTextPrompts()
         if self.prompt_pairs: raise ConfigError("prompt_pairs narrows Shapes prompts; it does not apply to a prompt file.")
         return PromptFile(self.prompts)
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np, torch
 from ..config import Config, ConfigError
 from pathlib import Path
-from ..shapes import COLORS, SHAPES, color_shape_pairs, prompt, render, sample_scene
+from ..shapes import COLORS, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_prompt
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
 __all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'ShapesPrompts', 'ShapesEditPrompts',
-           'PromptFile']
+           'ShapesTextPrompts', 'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -122,6 +122,20 @@ class ShapesEditPrompts:
                        'targets': [render(e.target, self.resolution) for e in edits]}
     def __repr__(self):
         return f"ShapesEditPrompts(split={self.split!r}, resolution={self.resolution}" + (f", pairs={[' '.join(q) for q in self.pairs]})" if self.pairs else ")")
+
+# %% ../../nbs/06b_grpo.ipynb #6af44fbf
+class ShapesTextPrompts:
+    "`prompts(n, seed)` -> n prompts asking for a rendered word, and `{'texts': [...]}` (the words)."
+    def __init__(self, words=WORDS, colors=None):
+        self.words, self.colors = tuple(words), tuple(colors or COLORS)
+        if bad := [c for c in self.colors if c not in COLORS]: raise ConfigError(f"unknown colours {bad}: use some of {list(COLORS)}.")
+        if not self.words: raise ConfigError("ShapesTextPrompts needs at least one word.")
+    def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
+        rng = np.random.default_rng(seed)
+        ws = [self.words[int(i)] for i in rng.integers(len(self.words), size=n)]
+        cs = [self.colors[int(i)] for i in rng.integers(len(self.colors), size=n)]
+        return [text_prompt(w, c) for w, c in zip(ws, cs)], {'texts': ws}
+    def __repr__(self): return f"ShapesTextPrompts({len(self.words)} words, {len(self.colors)} colours)"
 
 # %% ../../nbs/06b_grpo.ipynb #1edbad85
 class PromptFile:

@@ -13,8 +13,8 @@ from ..metrics import clip_scores, oracle_scores
 from ..shapes import ShapesOracle
 
 # %% auto #0
-__all__ = ['CONTEXT_HELP', 'REWARDS', 'Reward', 'OracleReward', 'SSIMReward', 'LPIPSReward', 'CLIPScoreReward', 'WeightedReward',
-           'make_reward']
+__all__ = ['CONTEXT_HELP', 'REWARDS', 'Reward', 'OracleReward', 'SSIMReward', 'LPIPSReward', 'CLIPScoreReward', 'edit_distance',
+           'quoted_text', 'OCRReward', 'WeightedReward', 'make_reward']
 
 # %% ../../nbs/06a_rewards.ipynb #74a64240
 class Reward:
@@ -48,6 +48,7 @@ CONTEXT_HELP = {
     'scenes': "the Shapes scenes the prompts describe (ShapesDataset(...).scene(i), or a samples.jsonl row's 'scene').",
     'edits': "the Shapes edits (ShapesEdits(...)[i]['edit'], or a samples.jsonl row's 'edit').",
     'targets': "the target images (an edit dataset's edited_image column).",
+    'texts': 'the words the images should show (ShapesTextPrompts gives them), or prompts with the text in double quotes.',
 }
 
 # %% ../../nbs/06a_rewards.ipynb #45e7742d
@@ -104,6 +105,61 @@ class CLIPScoreReward(Reward):
         if prompts is None: raise UserError("the 'clip' reward scores images against their prompts; pass prompts.")
         return clip_scores(images, prompts, self.clip, device=self.device) / 100
 
+# %% ../../nbs/06a_rewards.ipynb #174d2a4b
+def edit_distance(a:str, b:str) -> int:
+    "Levenshtein distance: insertions, deletions and substitutions turning `a` into `b`."
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1): cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+def quoted_text(prompt:str) -> str|None:
+    "The double-quoted part of `prompt` (None when there is none)."
+    parts = prompt.split('"')
+    return parts[1] if len(parts) >= 3 else None
+
+class OCRReward(Reward):
+    "Tesseract's reading of each image against its expected text: 1 − edit distance / length, at least 0."
+    name = 'ocr'
+    def __init__(self, min_height:int=128, config:str='--psm 7'):
+        self.min_height, self.config = min_height, config
+        try: import pytesseract
+        except ImportError: raise UserError("the 'ocr' reward needs pytesseract: pip install pytesseract (and Debian's tesseract-ocr).") from None
+        try: pytesseract.get_tesseract_version()
+        except Exception: raise UserError("the 'ocr' reward needs the tesseract program: apt-get install tesseract-ocr "
+                                          "(conda: tesseract); pytesseract only calls it.") from None
+        self.tess = pytesseract
+
+    def check_context(self, n:int, context:dict) -> None:
+        if context.get('texts') is not None: super().check_context(n, context, ['texts'])
+
+    def read(self, image) -> str:
+        "Tesseract's reading of one PIL image (upscaled to `min_height` when smaller)."
+        import os
+        from PIL import Image
+        im = image.convert('RGB')
+        if im.height < self.min_height:
+            f = self.min_height / im.height
+            im = im.resize((round(im.width * f), self.min_height), Image.BICUBIC)
+        os.environ.setdefault('OMP_THREAD_LIMIT', '1')
+        return self.tess.image_to_string(im, config=self.config).strip()
+
+    def score(self, images, prompts, texts=None, **_) -> list[float]:
+        if texts is None:
+            if prompts is None: raise UserError(f"the 'ocr' reward needs 'texts': {CONTEXT_HELP['texts']}")
+            texts = [quoted_text(p) for p in prompts]
+            if any(t is None for t in texts):
+                bad = [p for p, t in zip(prompts, texts) if t is None][:3]
+                raise UserError(f"the 'ocr' reward found no double-quoted text in the prompts {bad}; pass 'texts' (one per image).")
+        norm = lambda t: ''.join(t.lower().split())
+        out = []
+        for im, t in zip(images, texts):
+            want, got = norm(t), norm(self.read(im))
+            out.append(max(0.0, 1 - edit_distance(got, want) / max(len(want), 1)))
+        return out
+
 # %% ../../nbs/06a_rewards.ipynb #1b946238
 class WeightedReward(Reward):
     "Σ weight · reward over `terms` (a list of `(reward, weight)`); `parts(...)` also returns each reward's values."
@@ -124,7 +180,7 @@ class WeightedReward(Reward):
     def score(self, images, prompts, **context) -> torch.Tensor: return self.parts(images, prompts, **context)[0]
     def __repr__(self): return ' + '.join(f"{w:g}·{r!r}" for r, w in self.terms)
 
-REWARDS = {'oracle': OracleReward, 'ssim': SSIMReward, 'lpips': LPIPSReward, 'clip': CLIPScoreReward}
+REWARDS = {'oracle': OracleReward, 'ssim': SSIMReward, 'lpips': LPIPSReward, 'clip': CLIPScoreReward, 'ocr': OCRReward}
 
 def make_reward(weights:dict[str, float], clip=None, oracle:ShapesOracle|None=None, graded:bool=True) -> WeightedReward:
     "A `WeightedReward` from `{name: weight}` (names: `REWARDS`); `clip` is the CLIP model of the 'clip' reward."
