@@ -163,7 +163,8 @@ class GRPORunConfig(Config):
     pretrained_model_name_or_path: str|None = None  # the model to fine-tune: the model/ folder of a train_gpt.py run
     reward: dict|None = None                  # reward weights, e.g. 'oracle=1,clip=0.5' (names: imagegen.rl.rewards.REWARDS); None: oracle alone
     graded: bool = True                       # oracle reward: partial credit per attribute instead of all-or-nothing
-    clip_model: str|None = None               # the 'clip' reward's CLIP model (a folder or Hub id in transformers format)
+    clip_model: str|None = None               # the 'clip' and 'aesthetic' rewards' CLIP model (a folder or Hub id in transformers format)
+    aesthetic_head: str|None = None           # the 'aesthetic' reward's head: a state dict of LAION's layout (sac+logos+ava1-l14-linearMSE.pth)
     prompts: str = 'shapes'                   # 'shapes' (Shapes scenes, scored by the oracle), 'shapes-text' (words to render, for the OCR reward) or a text file with one prompt per line
     prompt_split: str = 'train'               # Shapes prompts: the split ('test': the colour-shape pairs the supervised data never shows)
     prompt_level: int = 1                     # Shapes prompts: objects per scene (1 or 2)
@@ -223,7 +224,8 @@ class GRPORunConfig(Config):
         editor = bool(model.gpt.config.source_tokens)
         prompts = self.prompt_source(editor, model.resolution)
         weights = self.reward_weights
-        reward = make_reward(weights, clip=self.clip_model if 'clip' in weights else None, graded=self.graded)
+        reward = make_reward(weights, clip=self.clip_model if {'clip', 'aesthetic'} & set(weights) else None, graded=self.graded,
+                             aesthetic_head=self.aesthetic_head)
         _, ctx = prompts(2, seed=0)
         for r, _ in reward.terms: r.check_context(2, ctx)
         return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,

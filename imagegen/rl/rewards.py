@@ -9,12 +9,15 @@ import numpy as np, torch
 from ..config import ConfigError, UserError
 from ..edits import score_edit, ssim_scores
 from ..grids import to_pil
-from ..metrics import clip_scores, oracle_scores
+from ..metrics import clip_model, clip_scores, oracle_scores, to_unit_batch
+from pathlib import Path
+from torch import nn
+import torch.nn.functional as F
 from ..shapes import ShapesOracle
 
 # %% auto #0
 __all__ = ['CONTEXT_HELP', 'REWARDS', 'Reward', 'OracleReward', 'SSIMReward', 'LPIPSReward', 'CLIPScoreReward', 'edit_distance',
-           'quoted_text', 'OCRReward', 'WeightedReward', 'make_reward']
+           'quoted_text', 'OCRReward', 'AestheticHead', 'AestheticReward', 'WeightedReward', 'make_reward']
 
 # %% ../../nbs/06a_rewards.ipynb #74a64240
 class Reward:
@@ -160,6 +163,50 @@ class OCRReward(Reward):
             out.append(max(0.0, 1 - edit_distance(got, want) / max(len(want), 1)))
         return out
 
+# %% ../../nbs/06a_rewards.ipynb #0d38450d
+class AestheticHead(nn.Module):
+    "LAION's aesthetic predictor layout: unit-length CLIP image embeddings `(B, D)` -> scores `(B,)`."
+    def __init__(self, input_size:int=768):
+        super().__init__()
+        self.input_size = input_size
+        self.layers = nn.Sequential(nn.Linear(input_size, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                                    nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+    def forward(self, emb:torch.Tensor) -> torch.Tensor: return self.layers(emb).squeeze(-1)
+
+    @classmethod
+    def from_file(cls, path:str|Path) -> AestheticHead:
+        "Load a state dict (`.pth`/`.pt` read with `weights_only`, or `.safetensors`) of this layout; the input size comes from the file."
+        path = Path(path)
+        if not path.is_file(): raise FileNotFoundError(f"aesthetic head {path} does not exist (LAION's is sac+logos+ava1-l14-linearMSE.pth).")
+        if path.suffix == '.safetensors':
+            from safetensors.torch import load_file
+            state = load_file(str(path))
+        else: state = torch.load(path, map_location='cpu', weights_only=True)
+        if 'layers.0.weight' not in state:
+            raise UserError(f"{path} is not an aesthetic head of LAION's layout: no 'layers.0.weight' among its keys {sorted(state)[:6]}.")
+        head = cls(state['layers.0.weight'].shape[1])
+        try: head.load_state_dict(state)
+        except RuntimeError as e: raise UserError(f"{path} does not fit LAION's aesthetic head layout: {str(e).splitlines()[0]}") from None
+        return head.eval()
+
+class AestheticReward(Reward):
+    "The aesthetic head's score of each image's CLIP embedding (LAION's scale: about 1 to 10)."
+    name = 'aesthetic'
+    def __init__(self, clip, head:AestheticHead|str|Path, device='cpu'):
+        self.model, self.proc = clip_model(clip)()
+        self.head = (head if isinstance(head, nn.Module) else AestheticHead.from_file(head)).eval()
+        self.device = device
+    def check_context(self, n:int, context:dict) -> None: pass
+    @torch.no_grad()
+    def score(self, images, prompts, **_) -> torch.Tensor:
+        x = (to_unit_batch(images) * 255).round().to(torch.uint8)
+        model, head = self.model.to(self.device), self.head.to(self.device)
+        emb = model.get_image_features(pixel_values=self.proc(images=list(x), return_tensors='pt')['pixel_values'].to(self.device))
+        if emb.shape[-1] != head.input_size:
+            raise UserError(f"the aesthetic head reads {head.input_size}-d CLIP image embeddings but this CLIP model gives {emb.shape[-1]}-d ones: "
+                            "pair it with the CLIP it was trained on (openai/clip-vit-large-patch14 for LAION's head).")
+        return head(F.normalize(emb.float(), dim=-1)).cpu()
+
 # %% ../../nbs/06a_rewards.ipynb #1b946238
 class WeightedReward(Reward):
     "Σ weight · reward over `terms` (a list of `(reward, weight)`); `parts(...)` also returns each reward's values."
@@ -180,10 +227,12 @@ class WeightedReward(Reward):
     def score(self, images, prompts, **context) -> torch.Tensor: return self.parts(images, prompts, **context)[0]
     def __repr__(self): return ' + '.join(f"{w:g}·{r!r}" for r, w in self.terms)
 
-REWARDS = {'oracle': OracleReward, 'ssim': SSIMReward, 'lpips': LPIPSReward, 'clip': CLIPScoreReward, 'ocr': OCRReward}
+REWARDS = {'oracle': OracleReward, 'ssim': SSIMReward, 'lpips': LPIPSReward, 'clip': CLIPScoreReward, 'ocr': OCRReward,
+           'aesthetic': AestheticReward}
 
-def make_reward(weights:dict[str, float], clip=None, oracle:ShapesOracle|None=None, graded:bool=True) -> WeightedReward:
-    "A `WeightedReward` from `{name: weight}` (names: `REWARDS`); `clip` is the CLIP model of the 'clip' reward."
+def make_reward(weights:dict[str, float], clip=None, oracle:ShapesOracle|None=None, graded:bool=True,
+                aesthetic_head:str|Path|AestheticHead|None=None) -> WeightedReward:
+    "A `WeightedReward` from `{name: weight}` (names: `REWARDS`); `clip` is the CLIP model of the 'clip' and 'aesthetic' rewards."
     unknown = sorted(set(weights) - set(REWARDS))
     if unknown: raise ConfigError(f"unknown reward(s) {unknown}: choose from {sorted(REWARDS)}.")
     def build(name):
@@ -191,5 +240,10 @@ def make_reward(weights:dict[str, float], clip=None, oracle:ShapesOracle|None=No
         if name == 'clip':
             if clip is None: raise ConfigError("the 'clip' reward needs a CLIP model: a folder or Hub name in transformers format.")
             return CLIPScoreReward(clip)
+        if name == 'aesthetic':
+            if clip is None or aesthetic_head is None:
+                raise ConfigError("the 'aesthetic' reward needs a CLIP model and an aesthetic head (LAION's sac+logos+ava1-l14-linearMSE.pth "
+                                  "with openai/clip-vit-large-patch14).")
+            return AestheticReward(clip, aesthetic_head)
         return REWARDS[name]()
     return WeightedReward([(build(n), w) for n, w in weights.items() if w])
