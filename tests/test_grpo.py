@@ -82,3 +82,31 @@ def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
              '--output_dir', str(tmp_path/'x'), '--report_to', 'none'], check=False)
     assert p.returncode == 2 and 'latent-diffusion model' in p.stderr and 'Traceback' not in p.stderr, p.stderr
     assert not (tmp_path/'x').exists()
+
+
+def test_train_grpo_ocr_reward_on_text_prompts(tmp_path):
+    "`--prompts shapes-text --reward ocr=1`: the rollouts are read by the real Tesseract and the OCR reward is logged."
+    import json, shutil, sys, torch
+    import pytest
+    if not shutil.which('tesseract'): pytest.skip("no tesseract program (Debian tesseract-ocr; make test installs it)")
+    from diffusers import VQModel
+    from imagegen.ar.task import GPTConfig, TextToImageGPT
+    from imagegen.autoencoders.vq import VQTokenizer
+    from imagegen.rl.grpo import ShapesTextPrompts
+    from conftest import run, ROOT
+    torch.manual_seed(0)
+    vq = VQTokenizer(VQModel(block_out_channels=(16, 32, 32), down_block_types=('DownEncoderBlock2D',) * 3,
+                             up_block_types=('UpDecoderBlock2D',) * 3, latent_channels=8, vq_embed_dim=8, num_vq_embeddings=16,
+                             norm_num_groups=8, sample_size=32))
+    cfg = GPTConfig.preset('tiny', n_layer=1, n_embd=32, n_head=2, text_hidden=32, text_layers=1, vqvae='(in memory)', temperature=1.0)
+    TextToImageGPT.from_config(cfg, corpus=ShapesTextPrompts()(100, seed=0)[0], tokenizer=vq).save_pretrained(tmp_path/'gpt')
+    out = tmp_path/'grpo'
+    run([sys.executable, str(ROOT/'scripts'/'train_grpo.py'), '--pretrained_model_name_or_path', str(tmp_path/'gpt'),
+         '--output_dir', str(out), '--prompts', 'shapes-text', '--reward', 'ocr=1', '--max_train_steps', '1',
+         '--report_to', 'tensorboard', '--log_every', '1', '--prompts_per_step', '1', '--num_generations', '2', '--n_samples', '2'])
+    info = json.loads((out/'model'/'run_info.json').read_text())['config']
+    assert info['model']['prompts'] == 'shapes-text' and info['model']['reward'] == {'ocr': 1.0}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ev = EventAccumulator(str(next((out/'logs').iterdir()))); ev.Reload()
+    vals = [e.value for e in ev.Scalars('reward/ocr')]
+    assert len(vals) == 1 and 0.0 <= vals[0] <= 1.0                # an untrained model draws no word: a low but real score
