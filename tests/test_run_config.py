@@ -62,12 +62,18 @@ def test_unknown_flag_is_refused():
 
 @pytest.mark.parametrize('path', sorted((ROOT/'scripts'/'configs').glob('*.yaml')), ids=lambda p: p.name)
 def test_example_configs_resolve(path):
-    "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample; editor recipes `*_edit_<family>`: train_edit.py), without error."
+    "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample; editor recipes `*_edit_<family>`: train_edit.py; `grpo_*`: train_grpo.py), without error."
     stage = 'upsample' if path.stem.endswith('glide_upsampler') else None
-    edit = '_edit_' in path.stem
-    name = 'train_glide' if stage else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
+    grpo = path.stem.startswith('grpo_')
+    edit = '_edit_' in path.stem and not grpo
+    name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
     run_ = resolve(name, ['--config', str(path)], stage)
-    assert set(run_) == {'train', 'model', 'data'}
+    assert set(run_) == ({'train', 'model', 'grpo'} if grpo else {'train', 'model', 'data'})
+    if grpo:   # the measured recipes (README): 200 steps on three of the held-out pairs, 8 samples per prompt, no KL term
+        m = run_['model']
+        assert type(m).__name__ == 'GRPORunConfig' and run_['train'].max_steps == 200 and run_['grpo'].group_size == 8
+        assert (m.prompt_split, m.prompt_pairs, run_['grpo'].kl_coef) == ('test', ['red triangle', 'blue circle', 'magenta triangle'], 0.0)
+        assert m.reward == ({'oracle': 1.0, 'ssim': 0.5} if '_edit_' in path.stem else {'oracle': 1.0})
     if edit: assert type(run_['model']).__name__ == 'EditConfig' and type(run_['data']).__name__ == 'EditDataConfig'
     if path.stem == 'main_edit_ldm': assert run_['model'].source_lr_scale == 10   # the measured recipe (README)
     if path.stem == 'main_edit_gpt': assert (run_['model'].token_noise, run_['train'].max_steps) == (0.85, 6000)   # the measured recipe (README)
