@@ -53,22 +53,28 @@ def test_gpt_grpo_two_ranks_and_resume(tmp_path):
     torch.testing.assert_close(a0['params_start'], r0['params'], rtol=0, atol=0)
 
 
-def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
-    "scripts/train_grpo.py under `accelerate launch` on 2 ranks: the run finishes, the grids and the model are written; a latent-diffusion folder is refused in one line."
-    import json, torch
-    from PIL import Image
+def save_tiny_gpt(path, corpus):
+    "A tiny untrained latent GPT (random 16-code VQ-VAE) saved at `path` as train_gpt.py saves one."
+    import torch
     from diffusers import VQModel
     from imagegen.ar.task import GPTConfig, TextToImageGPT
     from imagegen.autoencoders.vq import VQTokenizer
-    from imagegen.rl.grpo import ShapesPrompts
-    from conftest import run, ROOT
-    import sys
     torch.manual_seed(0)
     vq = VQTokenizer(VQModel(block_out_channels=(16, 32, 32), down_block_types=('DownEncoderBlock2D',) * 3,
                              up_block_types=('UpDecoderBlock2D',) * 3, latent_channels=8, vq_embed_dim=8, num_vq_embeddings=16,
                              norm_num_groups=8, sample_size=32))
     cfg = GPTConfig.preset('tiny', n_layer=1, n_embd=32, n_head=2, text_hidden=32, text_layers=1, vqvae='(in memory)', temperature=1.0)
-    TextToImageGPT.from_config(cfg, corpus=ShapesPrompts()(200, seed=0)[0], tokenizer=vq).save_pretrained(tmp_path/'gpt')
+    TextToImageGPT.from_config(cfg, corpus=corpus, tokenizer=vq).save_pretrained(path)
+
+
+def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
+    "scripts/train_grpo.py under `accelerate launch` on 2 ranks: the run finishes, the grids and the model are written; a latent-diffusion folder is refused in one line."
+    import json, sys
+    from PIL import Image
+    from imagegen.ar.task import TextToImageGPT
+    from imagegen.rl.grpo import ShapesPrompts
+    from conftest import run, ROOT
+    save_tiny_gpt(tmp_path/'gpt', ShapesPrompts()(200, seed=0)[0])
     out = tmp_path/'grpo'
     launch('scripts/train_grpo.py', '--pretrained_model_name_or_path', tmp_path/'gpt', '--output_dir', out,
            '--max_train_steps', 2, '--report_to', 'none', '--prompts_per_step', 1, '--num_generations', 4, '--n_samples', 3)
@@ -86,20 +92,12 @@ def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
 
 def test_train_grpo_ocr_reward_on_text_prompts(tmp_path):
     "`--prompts shapes-text --reward ocr=1`: the rollouts are read by the real Tesseract and the OCR reward is logged."
-    import json, shutil, sys, torch
+    import json, shutil, sys
     import pytest
     if not shutil.which('tesseract'): pytest.skip("no tesseract program (Debian tesseract-ocr; make test installs it)")
-    from diffusers import VQModel
-    from imagegen.ar.task import GPTConfig, TextToImageGPT
-    from imagegen.autoencoders.vq import VQTokenizer
     from imagegen.rl.grpo import ShapesTextPrompts
     from conftest import run, ROOT
-    torch.manual_seed(0)
-    vq = VQTokenizer(VQModel(block_out_channels=(16, 32, 32), down_block_types=('DownEncoderBlock2D',) * 3,
-                             up_block_types=('UpDecoderBlock2D',) * 3, latent_channels=8, vq_embed_dim=8, num_vq_embeddings=16,
-                             norm_num_groups=8, sample_size=32))
-    cfg = GPTConfig.preset('tiny', n_layer=1, n_embd=32, n_head=2, text_hidden=32, text_layers=1, vqvae='(in memory)', temperature=1.0)
-    TextToImageGPT.from_config(cfg, corpus=ShapesTextPrompts()(100, seed=0)[0], tokenizer=vq).save_pretrained(tmp_path/'gpt')
+    save_tiny_gpt(tmp_path/'gpt', ShapesTextPrompts()(100, seed=0)[0])
     out = tmp_path/'grpo'
     run([sys.executable, str(ROOT/'scripts'/'train_grpo.py'), '--pretrained_model_name_or_path', str(tmp_path/'gpt'),
          '--output_dir', str(out), '--prompts', 'shapes-text', '--reward', 'ocr=1', '--max_train_steps', '1',

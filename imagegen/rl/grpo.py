@@ -12,8 +12,8 @@ from ..shapes import COLORS, SHAPES, WORDS, color_shape_pairs, prompt, render, s
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
-__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'ShapesPrompts', 'ShapesEditPrompts',
-           'ShapesTextPrompts', 'PromptFile']
+__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'held_out_for', 'ShapesPrompts',
+           'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -86,15 +86,18 @@ def parse_pairs(pairs, split:str) -> list[tuple[str, str]]:
     if not out: raise ConfigError("prompt pairs: give at least one 'colour shape' pair, or none to use the whole split.")
     return out
 
+def held_out_for(pairs:list[tuple[str, str]]|None, split:str) -> list[tuple[str, str]]|None:
+    "The `held_out` argument of `sample_scene` / `sample_edit` that makes `split` draw only `pairs` (None: the split as it is)."
+    if pairs is None: return None
+    if split == 'test': return list(pairs)                      # the test split draws from the held-out pairs
+    return [(c, s) for c in COLORS for s in SHAPES if (c, s) not in pairs]   # the other splits from the rest
+
 class ShapesPrompts:
     "`prompts(n, seed)` -> n Shapes captions and `{'scenes': [...]}` (scenes of `split` with `level` objects, of `pairs` only when given)."
     def __init__(self, split:str='train', level:int=1, pairs=None):
         self.split, self.level = split, level
         self.pairs = None if pairs is None else parse_pairs(pairs, split)
-        every = [(c, s) for c in COLORS for s in SHAPES]
-        # sample_scene draws the test split from `held_out` and the other splits from the rest
-        self.held_out = (None if self.pairs is None else self.pairs if split == 'test'
-                         else [q for q in every if q not in self.pairs])
+        self.held_out = held_out_for(self.pairs, split)
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
         kw = {} if self.held_out is None else {'held_out': self.held_out}
@@ -110,9 +113,7 @@ class ShapesEditPrompts:
         if bad := [k for k in kinds if k not in EDIT_KINDS]: raise ConfigError(f"unknown edit kinds {bad}: use some of {list(EDIT_KINDS)}.")
         self.split, self.resolution, self.kinds = split, int(resolution), tuple(kinds)
         self.pairs = None if pairs is None else parse_pairs(pairs, split)
-        every = [(c, s) for c in COLORS for s in SHAPES]
-        self.held_out = (None if self.pairs is None else self.pairs if split == 'test'
-                         else [q for q in every if q not in self.pairs])
+        self.held_out = held_out_for(self.pairs, split)
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
         kw = {} if self.held_out is None else {'held_out': self.held_out}
