@@ -68,7 +68,7 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     return summary
 
 def main(argv:list[str]|None=None) -> dict:
-    "Fine-tune a text-to-image latent GPT with GRPO on rewards (Shapes oracle, CLIP score, ...); see --help."
+    "Fine-tune a latent GPT (text-to-image or editor) with GRPO on rewards (Shapes oracle, SSIM, OCR, CLIP score, ...); see --help."
     run = parse_run(DEFAULTS, FLAGS, argv, description=main.__doc__, prog='train_grpo.py')
     return train_grpo(run['train'], run['model'], run['grpo'])
 

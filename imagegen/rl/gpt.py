@@ -89,7 +89,7 @@ def gpt_logprobs(model:TextToImageGPT, tokens:torch.Tensor, prompts:Sequence[str
 
 # %% ../../nbs/06c_gpt_grpo.ipynb #3f15cf0f
 class GPTGRPO:
-    "GRPO fine-tuning of a text-to-image latent GPT as a task for the shared loop: `train(GPTGRPO(...), None, train_cfg)`."
+    "GRPO fine-tuning of a latent GPT (text-to-image, or an editor on prompts with source images) as a task for the shared loop: `train(GPTGRPO(...), None, train_cfg)`."
     def __init__(self, model:TextToImageGPT, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4,
                  guidance_scale:float|None=None, temperature:float|None=None, ratio_on:str='guided', inner_steps:int=1,
                  image_guidance_scale:float|None=None):
