@@ -281,7 +281,8 @@ def test_train_two_nodes_c10d(cluster, shapes, tmp_path):
     assert j['JobState'] == 'COMPLETED' and j['ExitCode'] == '0:0' and j['NodeList'] == 'n[1-2]', read(log)[-4000:]
     text = read(log)
     assert 'launcher on n1: machine_rank 0 of 2' in text and 'launcher on n2: machine_rank 1 of 2' in text, text[-4000:]
-    assert sorted(ranks.values()) == ['0', '1'], ranks
+    # one rank per node; a launcher's forked child shows the launcher's command line until it execs, so a rank can be seen twice
+    assert sorted(set(ranks.values())) == ['0', '1'], ranks
     # both launchers met at the c10d rendezvous on the first node: one group of two, ranks 0 and 1
     assert sorted(re.findall(r'group_rank=(\d+)', text)) == ['0', '1'] and text.count('group_world_size=2') == 2, text[-4000:]
     st = trainer_state(out, 4)
