@@ -134,19 +134,19 @@ class OCRReward(Reward):
         except Exception: raise UserError("the 'ocr' reward needs the tesseract program: apt-get install tesseract-ocr "
                                           "(conda: tesseract); pytesseract only calls it.") from None
         self.tess = pytesseract
+        import os
+        os.environ.setdefault('OMP_THREAD_LIMIT', '1')                        # each tesseract call on one core
 
     def check_context(self, n:int, context:dict) -> None:
         if context.get('texts') is not None: super().check_context(n, context, ['texts'])
 
     def read(self, image) -> str:
         "Tesseract's reading of one PIL image (upscaled to `min_height` when smaller)."
-        import os
         from PIL import Image
         im = image.convert('RGB')
         if im.height < self.min_height:
             f = self.min_height / im.height
             im = im.resize((round(im.width * f), self.min_height), Image.BICUBIC)
-        os.environ.setdefault('OMP_THREAD_LIMIT', '1')
         return self.tess.image_to_string(im, config=self.config).strip()
 
     def score(self, images, prompts, texts=None, **_) -> list[float]:
