@@ -50,8 +50,10 @@ def group_advantages(rewards:torch.Tensor, group_size:int, std_eps:float=1e-4, a
 
 # %% ../../nbs/06b_grpo.ipynb #932f1ebf
 def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor, clip_range:float=0.2,
-                      mask:torch.Tensor|None=None, ref_logp:torch.Tensor|None=None, kl_coef:float=0.0) -> tuple[torch.Tensor, dict]:
-    "GRPO loss (scalar, to minimise) from per-decision log-probabilities `(B, T)` and advantages `(B,)`, and its stats."
+                      mask:torch.Tensor|None=None, ref_logp:torch.Tensor|None=None, kl_coef:float=0.0,
+                      kl:torch.Tensor|None=None) -> tuple[torch.Tensor, dict]:
+    "GRPO loss (scalar, to minimise) from per-decision log-probabilities `(B, T)` and advantages `(B,)`, and its stats; the KL to a reference from `ref_logp` (estimated) or `kl` `(B, T)` (exact)."
+    if ref_logp is not None and kl is not None: raise ValueError("give the reference as ref_logp (estimated KL) or as kl (exact), not both.")
     if logp.shape != old_logp.shape: raise ValueError(f"logp {tuple(logp.shape)} and old_logp {tuple(old_logp.shape)} differ.")
     m = torch.ones_like(logp) if mask is None else mask.to(logp.dtype)
     avg = lambda x: (x * m).sum() / m.sum().clamp_min(1)
@@ -65,7 +67,10 @@ def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor
              'approx_kl_old': avg(ratio - 1 - log_ratio).item()}
     if ref_logp is not None:
         d = ref_logp.detach() - logp
-        kl = avg(d.exp() - d - 1)
+        kl = d.exp() - d - 1
+    if kl is not None:
+        if kl.shape != logp.shape: raise ValueError(f"kl {tuple(kl.shape)} and logp {tuple(logp.shape)} differ: give one KL per decision.")
+        kl = avg(kl)
         loss = loss + kl_coef * kl
         stats['kl_ref'] = kl.item()
     return loss, stats
