@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.rl.grpo import GRPOConfig
-from imagegen.rl.gpt import GRPORunConfig
+from imagegen.rl.run import GRPORunConfig
+from imagegen.rl.gpt import GPTGRPO
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/grpo', lr=3e-5, lr_scheduler='constant', warmup_steps=0, max_steps=200,
@@ -18,10 +19,10 @@ def policy_images(task, prompts:list[str], sources:list|None=None) -> list:
     "Images of `prompts` (an editor: edits of `sources`) from the task's current policy, image i with seed i (the same seeds before and after)."
     import torch
     from imagegen.grids import to_pil
-    device = next(task.model.gpt.parameters()).device
-    gens = [torch.Generator(device).manual_seed(i) for i in range(len(prompts))]
-    if task.editor: return to_pil(task.model.edit(sources, prompts, image_guidance_scale=task.ig, generator=gens), value_range=(-1, 1))
-    return to_pil(task.model.generate(prompts, generator=gens), value_range=(-1, 1))
+    gens = [torch.Generator(task.model.device).manual_seed(i) for i in range(len(prompts))]
+    kw = {} if isinstance(task, GPTGRPO) else {'guidance_scale': task.g}        # diffusion: the rollouts' guidance, the model's own sampler
+    if task.editor: return to_pil(task.model.edit(sources, prompts, image_guidance_scale=task.ig, generator=gens, **kw), value_range=(-1, 1))
+    return to_pil(task.model.generate(prompts, generator=gens, **kw), value_range=(-1, 1))
 
 def stack_rows(paths:list, labels:list[str], margin:int=48):
     "The images at `paths` one above the other, each with its label in a left margin."
@@ -38,9 +39,9 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     import dataclasses
     from imagegen.grids import save_grid
     from imagegen.training.loop import make_accelerator, train
-    tcfg = dataclasses.replace(tcfg, tags={'model': 'gpt', **(tcfg.tags or {})})
     acc = make_accelerator(tcfg)
     task = cfg.build(gcfg).to(acc.device)
+    tcfg = dataclasses.replace(tcfg, tags={'model': 'gpt' if isinstance(task, GPTGRPO) else 'ldm', **(tcfg.tags or {})})
     prompts, ctx = task.prompts(tcfg.n_samples, seed=GRID_SEED)
     sources = ctx.get('sources')
     if tcfg.validation_prompts and task.editor: raise ConfigError("--validation_prompts: an editor's grids need source images too; they come from the prompt stream.")
@@ -68,7 +69,7 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     return summary
 
 def main(argv:list[str]|None=None) -> dict:
-    "Fine-tune a latent GPT (text-to-image or editor) with GRPO on rewards (Shapes oracle, SSIM, OCR, CLIP score, ...); see --help."
+    "Fine-tune a latent GPT or latent diffusion model (text-to-image or editor) with GRPO on rewards (Shapes oracle, SSIM, OCR, CLIP score, ...); see --help."
     run = parse_run(DEFAULTS, FLAGS, argv, description=main.__doc__, prog='train_grpo.py')
     return train_grpo(run['train'], run['model'], run['grpo'])
 

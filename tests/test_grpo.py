@@ -1,7 +1,8 @@
-"""GRPO of the latent GPT under the shared loop on real processes: 2 gloo CPU ranks launched by `accelerate launch`,
+"""GRPO of both families under the shared loop on real processes: 2 gloo CPU ranks launched by `accelerate launch`,
 each sampling its own prompts, the weights in sync after every update, only rank 0 writing, the saved model loading
-as a `TextToImageGPT`, and a resumed run continuing from its checkpoint. The model is tiny and its reward a toy: the
-notebooks show that GRPO raises a reward; these tests check the plumbing."""
+in its family's class, a resumed run continuing from its checkpoint, the ratio exactly 1 at the first update of every
+rollout on every rank, and a 2-rank step on two groups equal to a 1-rank step on the same two groups. The models are
+tiny and their rewards toys: the notebooks show that GRPO raises a reward; these tests check the plumbing."""
 import textwrap
 from conftest import launch, rank_records
 
@@ -68,7 +69,7 @@ def save_tiny_gpt(path, corpus):
 
 
 def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
-    "scripts/train_grpo.py under `accelerate launch` on 2 ranks: the run finishes, the grids and the model are written; a latent-diffusion folder is refused in one line."
+    "scripts/train_grpo.py under `accelerate launch` on 2 ranks: the run finishes, the grids and the model are written; a GLIDE folder is refused in one line."
     import json, sys
     from PIL import Image
     from imagegen.ar.task import TextToImageGPT
@@ -83,10 +84,10 @@ def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
     before, both = Image.open(out/'samples_before.png'), Image.open(out/'before_after.png')
     assert both.height == 2 * before.height
     TextToImageGPT.from_pretrained(out/'model')
-    (tmp_path/'ldm').mkdir(); (tmp_path/'ldm'/'model_index.json').write_text('{}')
-    p = run([sys.executable, str(ROOT/'scripts'/'train_grpo.py'), '--pretrained_model_name_or_path', str(tmp_path/'ldm'),
+    (tmp_path/'glide').mkdir(); (tmp_path/'glide'/'imagegen_glide.json').write_text('{}')
+    p = run([sys.executable, str(ROOT/'scripts'/'train_grpo.py'), '--pretrained_model_name_or_path', str(tmp_path/'glide'),
              '--output_dir', str(tmp_path/'x'), '--report_to', 'none'], check=False)
-    assert p.returncode == 2 and 'latent-diffusion model' in p.stderr and 'Traceback' not in p.stderr, p.stderr
+    assert p.returncode == 2 and 'GLIDE model' in p.stderr and 'Traceback' not in p.stderr, p.stderr
     assert not (tmp_path/'x').exists()
 
 
@@ -108,3 +109,68 @@ def test_train_grpo_ocr_reward_on_text_prompts(tmp_path):
     ev = EventAccumulator(str(next((out/'logs').iterdir()))); ev.Reload()
     vals = [e.value for e in ev.Scalars('reward/ocr')]
     assert len(vals) == 1 and 0.0 <= vals[0] <= 1.0                # an untrained model draws no word: a low but real score
+
+
+DIFFUSION_GRPO = textwrap.dedent('''
+    "GRPO of a tiny latent diffusion model on fixed rollouts; argv: OUTPUT_DIR MODE (split: group r on rank r; joint: both groups on one rank)."
+    import json, os, sys, torch
+    from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig
+    from imagegen.rl.diffusion import DiffusionGRPO
+    from imagegen.rl.grpo import GRPOConfig, ShapesPrompts
+    from imagegen.rl.rewards import Reward
+    from imagegen.training.loop import TrainConfig, train
+    class Brightness(Reward):
+        name = 'brightness'
+        def score(self, images, prompts=None, **_): return [sum(im.convert('L').getdata()) / (255 * im.width * im.height) for im in images]
+    out, mode = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = LatentDiffusion.from_config(LDMConfig.preset('tiny', text_hidden=32, text_layers=1, text_max_length=24),
+                                        corpus=ShapesPrompts()(200, seed=0)[0])
+    rank = int(os.environ.get('RANK', 0))
+    class Recorded(DiffusionGRPO):
+        "Rollouts of seeds 100 and 101 (one prompt of 4 samples each): rank r trains on group r, or one rank on both; every loss's ratio range is kept."
+        seen = []
+        def batches(self, accelerator):
+            groups = [self.rollout(100), self.rollout(101)]
+            if mode == 'split': batch = groups[rank]
+            else: batch = {k: torch.cat([g[k] for g in groups]) if torch.is_tensor(groups[0][k]) else
+                              groups[0][k] + groups[1][k] if isinstance(groups[0][k], list) else groups[0][k] for k in groups[0]}
+            for _ in range(self.inner_steps): yield batch
+        def configure_optimizer(self, model, cfg):      # plain SGD: the update is the gradient, so averaged ranks compare exactly
+            return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        def loss(self, model, batch):
+            o = super().loss(model, batch)
+            self.seen.append((o['ratio_min'].item(), o['ratio_max'].item(), batch['caption']))
+            return o
+    task = Recorded(model, Brightness(), ShapesPrompts(), GRPOConfig(group_size=4), prompts_per_step=1, num_inference_steps=4,
+                    train_steps=2, inner_steps=2)
+    train(task, None, TrainConfig(output_dir=out, max_steps=2, lr=0.1, tracker='none', checkpoint_every=None, save_model=True,
+                                  max_grad_norm=None))
+    with open(f'{out}/seen_rank{rank}.json', 'w') as f: json.dump(task.seen, f)
+''')
+
+
+def test_diffusion_grpo_two_ranks_match_one_rank(tmp_path):
+    "Latent diffusion GRPO on 2 ranks: the first update of a rollout has ratio exactly 1 on each rank, and two updates on group r per rank end at the weights one rank reaches on both groups."
+    import json, torch
+    from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig
+    from imagegen.rl.grpo import ShapesPrompts
+    (tmp_path/'dgrpo.py').write_text(DIFFUSION_GRPO)
+    launch(tmp_path/'dgrpo.py', tmp_path/'split', 'split')
+    launch(tmp_path/'dgrpo.py', tmp_path/'joint', 'joint', num_processes=1)
+    seen = {r: json.loads((tmp_path/'split'/f'seen_rank{r}.json').read_text()) for r in (0, 1)}
+    for r in (0, 1):
+        (lo, hi, caps), (lo2, hi2, _) = seen[r]
+        assert (lo, hi) == (1.0, 1.0), f"rank {r}: the first update of its rollout had ratio range {(lo, hi)}"
+        assert (lo2, hi2) != (1.0, 1.0), f"rank {r}: the second update did not move the ratio"
+    assert seen[0][0][2] != seen[1][0][2], "both ranks trained on the same group"
+    joint = json.loads((tmp_path/'joint'/'seen_rank0.json').read_text())
+    assert joint[0][2] == seen[0][0][2] + seen[1][0][2] and joint[0][:2] == [1.0, 1.0]
+    a, b = (LatentDiffusion.from_pretrained(tmp_path/m/'model').unet for m in ('split', 'joint'))
+    flat = lambda u: torch.cat([p.detach().flatten() for p in u.parameters()])
+    torch.manual_seed(0)                                                         # the starting model, as the script builds it
+    start = LatentDiffusion.from_config(LDMConfig.preset('tiny', text_hidden=32, text_layers=1, text_max_length=24),
+                                        corpus=ShapesPrompts()(200, seed=0)[0]).unet
+    moved = (flat(a) - flat(start)).abs().max().item()
+    assert moved > 1e-4, f"GRPO barely changed the UNet ({moved})"
+    torch.testing.assert_close(flat(a), flat(b), rtol=0, atol=1e-3 * moved)

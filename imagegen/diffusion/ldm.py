@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.training_utils import compute_snr
+from diffusers.utils.torch_utils import randn_tensor
 from fastcore.basics import patch
 from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
 from .sampling import make_scheduler, sample_latents
@@ -259,12 +260,12 @@ def cache_latents(autoencoder:ImageAutoencoder, dataset, batch_size:int=256, dev
 # %% ../../nbs/04b_ldm.ipynb #bd7edd71
 @patch
 def generate(self:LatentDiffusion, prompts:list[str]|None=None, num_inference_steps:int=20, guidance_scale:float=4.0,
-             generator:torch.Generator|None=None, seed:int=0, sampler:str='ddim') -> torch.Tensor:
+             generator:torch.Generator|list|None=None, seed:int=0, sampler:str='ddim') -> torch.Tensor:
     "Images `(len(prompts), 3, H, W)` in [-1, 1]: `sample_latents` with `sampler` and CFG, decoded by the autoencoder."
     prompts = list(prompts or self.sample_prompts)
     dev, res = self.device, (self.config.resolution if self.config else self.unet.config.sample_size * self.autoencoder.downsample_factor)
     generator = generator or torch.Generator().manual_seed(seed)
-    z = torch.randn((len(prompts), *self.autoencoder.latent_shape(res, res)), generator=generator).to(dev)
+    z = randn_tensor((len(prompts), *self.autoencoder.latent_shape(res, res)), generator=generator).to(dev)   # one generator, or one per prompt
     with torch.no_grad(): cond, uncond = self.text_encoder.encode(prompts), self.text_encoder.empty_embedding(len(prompts))
     was = self.unet.training; self.unet.eval()
     try: z = sample_latents(self.unet, make_scheduler(sampler, self.scheduler), cond, uncond, guidance_scale=guidance_scale,

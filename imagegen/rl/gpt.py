@@ -7,18 +7,15 @@ from __future__ import annotations
 from typing import Sequence
 import torch
 import copy
-from dataclasses import dataclass
-from pathlib import Path
-from typing import ClassVar
 from ..ar.task import GPTConfig, TextToImageGPT
-from ..config import Config, ConfigError, UserError
+from ..config import ConfigError, UserError
 from ..edits import prepare_sources
-from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts, clipped_objective, group_advantages
-from .rewards import Reward, WeightedReward, make_reward
+from .grpo import GRPOConfig, clipped_objective, group_advantages
+from .rewards import Reward, WeightedReward
 from ..training.loop import derived_seed
 
 # %% auto #0
-__all__ = ['sampling_settings', 'gpt_rollouts', 'gpt_logprobs', 'GPTGRPO', 'GRPORunConfig']
+__all__ = ['sampling_settings', 'gpt_rollouts', 'gpt_logprobs', 'GPTGRPO']
 
 # %% ../../nbs/06c_gpt_grpo.ipynb #305d0e6d
 def sampling_settings(model:TextToImageGPT, guidance_scale:float|None=None, temperature:float|None=None) -> tuple[float, float]:
@@ -155,78 +152,3 @@ class GPTGRPO:
         return self
     def save_pretrained(self, path): return self.model.save_pretrained(path)
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)
-
-# %% ../../nbs/06c_gpt_grpo.ipynb #b73c9f0a
-@dataclass
-class GRPORunConfig(Config):
-    "The model section of a GRPO run: the checkpoint it fine-tunes, the rewards, the prompt stream and the rollouts' sampling."
-    pretrained_model_name_or_path: str|None = None  # the model to fine-tune: the model/ folder of a train_gpt.py run
-    reward: dict|None = None                  # reward weights, e.g. 'oracle=1,clip=0.5' (names: imagegen.rl.rewards.REWARDS); None: oracle alone
-    graded: bool = True                       # oracle reward: partial credit per attribute instead of all-or-nothing
-    clip_model: str|None = None               # the 'clip' and 'aesthetic' rewards' CLIP model (a folder or Hub id in transformers format)
-    aesthetic_head: str|None = None           # the 'aesthetic' reward's head: a state dict of LAION's layout (sac+logos+ava1-l14-linearMSE.pth)
-    prompts: str = 'shapes'                   # 'shapes' (Shapes scenes, scored by the oracle), 'shapes-text' (words to render, for the OCR reward) or a text file with one prompt per line
-    prompt_split: str = 'train'               # Shapes prompts: the split ('test': the colour-shape pairs the supervised data never shows)
-    prompt_level: int = 1                     # Shapes prompts: objects per scene (1 or 2)
-    prompt_pairs: list[str]|None = None       # Shapes prompts: only these 'colour shape' pairs of the split
-    prompts_per_step: int = 4                 # prompts per rollout on each process, each sampled group_size times
-    inner_steps: int = 1                      # optimizer steps on each rollout (the ratio leaves 1 from the second on)
-    guidance_scale: float|None = None         # rollouts' classifier-free guidance; None: the model's sampling config
-    temperature: float|None = None            # rollouts' temperature; None: the model's sampling config
-    ratio_on: str = 'guided'                  # importance ratio under the 'guided' distribution that sampled, or the 'conditional' one
-    image_guidance_scale: float|None = None   # editors: guidance toward the source image (None: 1.5, the edit recipe's)
-    cache_dir: str|None = None                # Hub cache of the CLIP model
-
-    presets: ClassVar[dict[str, dict]] = {'default': {}}
-
-    def __post_init__(self):
-        if self.reward is not None:
-            try: self.reward = {str(k): float(v) for k, v in self.reward.items()}
-            except (TypeError, ValueError): raise ConfigError(f"GRPORunConfig.reward={self.reward!r}: give name=weight pairs, e.g. 'oracle=1,clip=0.5'.") from None
-        if self.ratio_on not in ('guided', 'conditional'): raise ConfigError(f"GRPORunConfig.ratio_on={self.ratio_on!r}: 'guided' or 'conditional'.")
-        if self.prompt_level not in (1, 2): raise ConfigError(f"GRPORunConfig.prompt_level={self.prompt_level}: Shapes scenes have 1 or 2 objects.")
-        if self.prompts_per_step < 1 or self.inner_steps < 1: raise ConfigError("GRPORunConfig: prompts_per_step and inner_steps must be >= 1.")
-
-    @property
-    def reward_weights(self) -> dict[str, float]: return self.reward or {'oracle': 1.0}
-
-    def prompt_source(self, editor:bool=False, resolution:int=32):
-        "The prompt stream: `ShapesPrompts` (an editor: `ShapesEditPrompts` at `resolution`) or a `PromptFile`."
-        if self.prompts == 'shapes':
-            if editor: return ShapesEditPrompts(self.prompt_split, self.prompt_pairs, resolution)
-            return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs)
-        if editor: raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits); {self.prompts!r} gives none.")
-        if self.prompts == 'shapes-text': return ShapesTextPrompts()
-        if self.prompt_pairs: raise ConfigError("prompt_pairs narrows Shapes prompts; it does not apply to a prompt file.")
-        return PromptFile(self.prompts)
-
-    def load_model(self) -> TextToImageGPT:
-        "The checkpoint, loaded by its family; what cannot be fine-tuned yet is refused with the reason."
-        p = self.pretrained_model_name_or_path
-        if not p: raise ConfigError("GRPORunConfig.pretrained_model_name_or_path is not set: pass --pretrained_model_name_or_path, "
-                                    "the model/ folder of a train_gpt.py run.")
-        d = Path(p)
-        if not d.exists(): raise FileNotFoundError(f"--pretrained_model_name_or_path {p} does not exist.")
-        if (d/'model_index.json').exists() and not (d/'imagegen_gpt.json').exists():
-            raise ConfigError(f"{p} is a latent-diffusion model: GRPO fine-tunes latent GPT models so far "
-                              "(a folder with imagegen_gpt.json, the model/ of a train_gpt.py run).")
-        if not (d/'imagegen_gpt.json').exists():
-            raise ConfigError(f"{p} holds no imagegen_gpt.json: it is not a latent GPT saved by this repository (train_gpt.py's model/ folder).")
-        import json
-        if json.loads((d/'imagegen_gpt.json').read_text()).get('task') == 'edit':
-            from imagegen.ar.edit import GPTEditor
-            return GPTEditor.from_pretrained(d)
-        return TextToImageGPT.from_pretrained(d)
-
-    def build(self, grpo:GRPOConfig|None=None) -> GPTGRPO:
-        "The GRPO task for the shared loop; the rewards' context is checked on one draw of prompts first."
-        model = self.load_model()
-        editor = bool(model.gpt.config.source_tokens)
-        prompts = self.prompt_source(editor, model.resolution)
-        weights = self.reward_weights
-        reward = make_reward(weights, clip=self.clip_model if {'clip', 'aesthetic'} & set(weights) else None, graded=self.graded,
-                             aesthetic_head=self.aesthetic_head)
-        _, ctx = prompts(2, seed=0)
-        for r, _ in reward.terms: r.check_context(2, ctx)
-        return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
-                       self.ratio_on, self.inner_steps, self.image_guidance_scale)
