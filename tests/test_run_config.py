@@ -69,11 +69,13 @@ def test_example_configs_resolve(path):
     name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
     run_ = resolve(name, ['--config', str(path)], stage)
     assert set(run_) == ({'train', 'model', 'grpo'} if grpo else {'train', 'model', 'data'})
-    if grpo:   # the measured recipes (README): 200 steps on three of the held-out pairs, 8 samples per prompt, no KL term
-        m = run_['model']
+    if grpo:   # the measured recipes (README): 200 steps on three of the held-out pairs, 8 samples per prompt; the GPT's without a KL term
+        m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert type(m).__name__ == 'GRPORunConfig' and run_['train'].max_steps == 200 and run_['grpo'].group_size == 8
-        assert (m.prompt_split, m.prompt_pairs, run_['grpo'].kl_coef) == ('test', ['red triangle', 'blue circle', 'magenta triangle'], 0.0)
+        assert (m.prompt_split, m.prompt_pairs) == ('test', ['red triangle', 'blue circle', 'magenta triangle'])
         assert m.reward == ({'oracle': 1.0, 'ssim': 0.5} if '_edit_' in path.stem else {'oracle': 1.0})
+        assert (run_['grpo'].kl_coef, run_['train'].lr) == ((0.04, 1e-5) if ldm else (0.0, 3e-5))
+        if ldm: assert (m.num_inference_steps, m.train_steps, m.guidance_scale, m.lora_rank) == (10, 5, 4.0, None)
     if edit: assert type(run_['model']).__name__ == 'EditConfig' and type(run_['data']).__name__ == 'EditDataConfig'
     if path.stem == 'main_edit_ldm': assert run_['model'].source_lr_scale == 10   # the measured recipe (README)
     if path.stem == 'main_edit_gpt': assert (run_['model'].token_noise, run_['train'].max_steps) == (0.85, 6000)   # the measured recipe (README)
