@@ -11,8 +11,8 @@ import torch
 
 # %% auto #0
 __all__ = ['gpu_info', 'versions', 'accelerate_view', 'slurm_info', 'in_notebook', 'storage_info', 'launch_command',
-           'warnings_for', 'collect', 'format_report', 'diagnose', 'distributed_check', 'notebook_processes',
-           'launch_in_notebook', 'main']
+           'warnings_for', 'collect', 'format_report', 'diagnose', 'distributed_check', 'destroy_process_group_at_exit',
+           'notebook_processes', 'launch_in_notebook', 'main']
 
 # %% ../nbs/00_diagnostics.ipynb #f78d3a54
 def gpu_info(cuda=None) -> list[dict]:
@@ -192,6 +192,20 @@ def distributed_check(accelerator=None) -> dict:
              all_reduce=total, all_reduce_expected=n * (n + 1) / 2, broadcast_ok=token == 12345.0, ok=ok)
     if not ok: raise RuntimeError(f"rank {rank}: collective check failed: all-reduce {total} (expected {n*(n+1)/2}), broadcast {token}")
     return r
+
+# %% ../nbs/00_diagnostics.ipynb #7c2f9a40
+_EXIT_HOOKS = []
+
+def _destroy_default_group():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+
+def destroy_process_group_at_exit() -> bool:
+    "Destroy torch.distributed's default process group when this process exits (registered once); True when this call registered it."
+    if _EXIT_HOOKS: return False
+    import atexit
+    atexit.register(_destroy_default_group); _EXIT_HOOKS.append(_destroy_default_group)
+    return True
 
 # %% ../nbs/00_diagnostics.ipynb #3b0b3fb4
 def notebook_processes(cuda=None) -> tuple[int, str]:

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from accelerate import Accelerator
 from fastcore.script import call_parse
-from imagegen.diagnostics import collect, distributed_check, format_report
+from imagegen.diagnostics import collect, destroy_process_group_at_exit, distributed_check, format_report
 
 def report_table(r:dict) -> str:
     "One line per rank, then the collective results."
@@ -21,6 +21,7 @@ def main(json_out:str=None, # also write the gathered report (all ranks) to this
         ):
     "Check that all ranks of an `accelerate launch` run can talk to each other."
     acc = Accelerator(cpu=cpu)
+    destroy_process_group_at_exit()
     r = distributed_check(acc)
     if acc.is_main_process:
         print(format_report(collect()))

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from imagegen.ar.edit import GPTEditor
 from imagegen.ar.task import GPT_FILE, TextToImageGPT
 from imagegen.config import ConfigError, run_script
+from imagegen.diagnostics import destroy_process_group_at_exit
 from imagegen.diffusion.glide import GLIDE_FILE, GlideDiffusion
 from imagegen.diffusion.edit import LatentEditor, is_edit_folder
 from imagegen.diffusion.ldm import LatentDiffusion
@@ -185,6 +186,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
     if candidates > 1 and rerank == 'clip' and not clip_model: raise ConfigError("--rerank clip needs --clip_model (a CLIP folder or Hub id in transformers format).")
     if candidates > 1 and rerank == 'oracle' and not shapes_split: raise ConfigError("--rerank oracle scores Shapes scenes: use it with --shapes_split.")
     acc = Accelerator()
+    destroy_process_group_at_exit()
     family, m = load_model(model)
     m = m.to(acc.device)
     if (source_image or shapes_edit_split) and not family.endswith('edit'):
