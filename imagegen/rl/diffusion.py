@@ -46,8 +46,8 @@ def ddim_step_with_logprob(scheduler:DDIMScheduler, model_output:torch.Tensor, t
 
 # %% ../../nbs/06d_diffusion_grpo.ipynb #f31bac74
 def guided_prediction(unet, x:torch.Tensor, t, cond:torch.Tensor, uncond:torch.Tensor|None=None, guidance_scale:float=1.0,
-                      source:torch.Tensor|None=None, image_guidance_scale:float=1.0) -> torch.Tensor:
-    "The UNet's output at `x`, `t` mixed as `sample_latents` mixes it: `u + g (c - u)`, or with a `source` (an editor's latents) and image guidance InstructPix2Pix's `u + g (ts - s) + ig (s - u)`."
+                      source:torch.Tensor|None=None, image_guidance_scale:float=1.0, class_labels:torch.Tensor|None=None) -> torch.Tensor:
+    "The UNet's noise prediction at `x`, `t` mixed as `sample_latents` mixes it: `u + g (c - u)`, or with a `source` (an editor's latents, an upsampler's low-resolution image) and image guidance InstructPix2Pix's `u + g (ts - s) + ig (s - u)`; `class_labels` (an upsampler's augmentation level) go to every stream."
     three = source is not None and image_guidance_scale != 1.0
     cfg = three or guidance_scale != 1.0
     if cfg and uncond is None: raise ValueError("guidance needs `uncond` (the empty prompt's embeddings).")
@@ -57,7 +57,9 @@ def guided_prediction(unet, x:torch.Tensor, t, cond:torch.Tensor, uncond:torch.T
     if source is not None:
         src = torch.cat([source, source, torch.zeros_like(source)]) if three else torch.cat([source] * k)
         inp = torch.cat([inp, src.to(inp.dtype)], dim=1)
-    out = unet(inp, t, encoder_hidden_states=emb.to(inp.dtype), return_dict=False)[0]
+    labels = {} if class_labels is None else dict(class_labels=torch.cat([class_labels] * k))
+    out = unet(inp, t, encoder_hidden_states=emb.to(inp.dtype), return_dict=False, **labels)[0]
+    out = out[:, :x.shape[1]]                # a UNet that also predicts its variance (GLIDE's): the noise half
     if three:
         ts, s, u = out.chunk(3)
         return u + guidance_scale * (ts - s) + image_guidance_scale * (s - u)
@@ -112,14 +114,15 @@ def diffusion_rollouts(model, prompts:Sequence[str], group_size:int, num_inferen
 
 # %% ../../nbs/06d_diffusion_grpo.ipynb #9c6afc7d
 def diffusion_logprobs(unet, scheduler:DDIMScheduler, latents:torch.Tensor, steps:Sequence[int], cond:torch.Tensor, uncond:torch.Tensor|None,
-                       guidance_scale:float, eta:float, source:torch.Tensor|None=None, image_guidance_scale:float=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       guidance_scale:float, eta:float, source:torch.Tensor|None=None, image_guidance_scale:float=1.0,
+                       class_labels:torch.Tensor|None=None) -> tuple[torch.Tensor, torch.Tensor]:
     "Log-probabilities `(B, K)` of the trajectory's steps `steps` under `unet` (differentiable, dropout off) and the steps' means `(B, K, C, h, w)`."
     was = unet.training; unet.eval()
     try:
         logps, means = [], []
         for k in steps:
             t, x = scheduler.timesteps[k], latents[:, k]
-            out = guided_prediction(unet, scheduler.scale_model_input(x, t), t, cond, uncond, guidance_scale, source, image_guidance_scale)
+            out = guided_prediction(unet, scheduler.scale_model_input(x, t), t, cond, uncond, guidance_scale, source, image_guidance_scale, class_labels)
             _, lp, mean = ddim_step_with_logprob(scheduler, out, t, x, eta, prev_sample=latents[:, k + 1])
             logps.append(lp); means.append(mean)
         return torch.stack(logps, 1), torch.stack(means, 1)
