@@ -8,6 +8,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from imagegen.ar.edit import GPTEditor
+from imagegen.ar.hybrid import HybridPipeline, is_hybrid_folder
 from imagegen.ar.task import GPT_FILE, TextToImageGPT
 from imagegen.config import ConfigError, run_script
 from imagegen.diagnostics import destroy_process_group_at_exit
@@ -48,8 +49,9 @@ def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:P
     return out
 
 def load_model(path:str|Path) -> tuple[str, object]:
-    "The model saved in `path` and its family: ('ldm', LatentDiffusion), ('ldm-edit', LatentEditor), ('glide', GlideDiffusion), ('gpt', TextToImageGPT) or ('gpt-edit', GPTEditor)."
+    "The model saved in `path` and its family: ('ldm', LatentDiffusion), ('ldm-edit', LatentEditor), ('glide', GlideDiffusion), ('gpt', TextToImageGPT), ('gpt-edit', GPTEditor) or ('hybrid', HybridPipeline)."
     p = Path(path)
+    if is_hybrid_folder(p): return 'hybrid', HybridPipeline.from_pretrained(p)
     if (p/GPT_FILE).exists():
         if json.loads((p/GPT_FILE).read_text()).get('task') == 'edit': return 'gpt-edit', GPTEditor.from_pretrained(p)
         return 'gpt', TextToImageGPT.from_pretrained(p)
@@ -150,7 +152,7 @@ def sample_edits(acc:Accelerator, m, out:str|Path, inputs:tuple, *, seed:int, ba
     acc.wait_for_everyone()
     return images
 
-def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py, train_glide.py or train_gpt.py run)
+def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` of a train_ldm.py, train_glide.py or train_gpt.py run, or a HybridPipeline folder)
          out:str='runs/samples', # output folder: NNNNNN.png, samples.jsonl, grid.png
          prompts:str=None, # prompts separated by '|'
          prompt_file:str=None, # text file with one prompt per line
@@ -168,8 +170,8 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
          top_k:int=None, # GPT: keep the k most likely tokens (default: the model's)
          top_p:float=None, # GPT: nucleus sampling threshold (default: the model's)
          upsampler:str=None, # GLIDE: an upsampler folder (train_glide.py --stage upsample); the base images go to OUT/base
-         upsampler_sampler:str='ddpm', # GLIDE upsampler: its sampler
-         upsampler_steps:int=25, # GLIDE upsampler: its sampling steps
+         upsampler_sampler:str='ddpm', # GLIDE upsampler (or a hybrid pipeline's decoder): its sampler
+         upsampler_steps:int=25, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampling steps
          upsampler_guidance:float=1.0, # GLIDE upsampler: its guidance scale
          noise_level:int=None, # GLIDE upsampler: augmentation level of its input (default: the model's)
          candidates:int=1, # draw this many images per prompt and keep the best by --rerank (OUT/ranked/NNNNNN/rank_001.png...)
@@ -205,22 +207,26 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
                       top_p=c.top_p if top_p is None else top_p)
         return sample_edits(acc, m, out, edit_inputs(m, source_image, prompts, prompt_file, shapes_edit_split, n, seed), seed=seed,
                             batch_size=batch_size, meta={'family': family, 'model': str(model)}, **kw)
-    if upsampler and family != 'glide': raise ConfigError(f"--upsampler goes with a GLIDE base model; {model} is a {family} model.")
+    if upsampler and family != 'glide':
+        if family == 'hybrid': raise ConfigError(f"{model} is a hybrid pipeline: its decoder ({model}/decoder) upsamples; --upsampler is not needed.")
+        raise ConfigError(f"--upsampler goes with a GLIDE base model; {model} is a {family} model.")
+    hybrid = m if family == 'hybrid' else None
+    if hybrid: family, m = 'gpt', hybrid.ar         # the AR stage samples as a latent GPT, its decoder upsamples below
     ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed)
     N = candidates   # candidate j of prompt i has seed seed + i*N + j (seed + i without re-ranking)
     ps_x, sc_x = [p for p in ps for _ in range(N)], [s for s in scenes for _ in range(N)]
     seeds_x = [seed + i * N + j for i in range(len(ps)) for j in range(N)]
     images, meta = family_images(acc, family, m, ps_x, seeds_x, guidance=guidance, batch_size=batch_size, sampler=sampler, steps=steps,
                                  negative_prompt=negative_prompt, eta=eta, temperature=temperature, top_k=top_k, top_p=top_p)
-    meta |= {'model': str(model)}
-    if upsampler:
+    meta |= {'model': str(model)} | ({'family': 'hybrid'} if hybrid else {})
+    if upsampler or hybrid:
         base_images, base_meta = images, dict(meta)
-        up = GlideUpsampler.from_pretrained(upsampler).to(acc.device)
+        up = hybrid.decoder if hybrid else GlideUpsampler.from_pretrained(upsampler).to(acc.device)
         low = to_unit_batch(base_images) * 2 - 1
         images = images_distributed(acc, up.generate, ps_x, seeds_x, batch_size, progress=acc.is_main_process, per_item={'low_res_images': low},
                                     desc='upsampling', num_inference_steps=upsampler_steps, guidance_scale=upsampler_guidance,
                                     sampler=upsampler_sampler, noise_level=noise_level)
-        meta |= dict(upsampler=str(upsampler), upsampler_sampler=upsampler_sampler, upsampler_steps=upsampler_steps,
+        meta |= dict(upsampler=str(upsampler or Path(model)/'decoder'), upsampler_sampler=upsampler_sampler, upsampler_steps=upsampler_steps,
                      upsampler_guidance=upsampler_guidance, noise_level=up.noise_level if noise_level is None else noise_level)
     if acc.is_main_process:
         best = list(range(0, len(images), N))
@@ -236,7 +242,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
             meta |= dict(candidates=N, rerank=rerank, **({'clip_model': clip_model} if clip else {}))
             if scenes[0] is not None: rerank_gain(images, sc_x, torch.stack(all_scores), rerank, out)
         pick = lambda xs: [xs[j] for j in best]
-        if upsampler: write_samples(pick(base_images), ps, scenes, pick(seeds_x), Path(out)/'base', base_meta)
+        if upsampler or hybrid: write_samples(pick(base_images), ps, scenes, pick(seeds_x), Path(out)/'base', base_meta)
         write_samples(pick(images), ps, scenes, pick(seeds_x), out, meta)
         print(f"{len(ps)} images, samples.jsonl and grid.png in {out}" + (f" (best of {N} by {rerank})" if N > 1 else ''))
     acc.wait_for_everyone()

@@ -6,6 +6,7 @@ from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.rl.grpo import GRPOConfig
 from imagegen.rl.run import GRPORunConfig
 from imagegen.rl.gpt import GPTGRPO
+from imagegen.rl.hybrid import HybridGRPO
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/grpo', lr=3e-5, lr_scheduler='constant', warmup_steps=0, max_steps=200,
@@ -20,6 +21,8 @@ def policy_images(task, prompts:list[str], sources:list|None=None) -> list:
     import torch
     from imagegen.grids import to_pil
     gens = [torch.Generator(task.model.device).manual_seed(i) for i in range(len(prompts))]
+    if isinstance(task, HybridGRPO):                                             # both stages with their own samplers, prompt i with seed i
+        return [im for i, p in enumerate(prompts) for im in to_pil(task.model.generate([p], seed=i), value_range=(-1, 1))]
     kw = {} if isinstance(task, GPTGRPO) else {'guidance_scale': task.g}        # diffusion: the rollouts' guidance, the model's own sampler
     if task.editor: return to_pil(task.model.edit(sources, prompts, image_guidance_scale=task.ig, generator=gens, **kw), value_range=(-1, 1))
     return to_pil(task.model.generate(prompts, generator=gens, **kw), value_range=(-1, 1))
@@ -41,7 +44,8 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     from imagegen.training.loop import make_accelerator, train
     acc = make_accelerator(tcfg)
     task = cfg.build(gcfg).to(acc.device)
-    tcfg = dataclasses.replace(tcfg, tags={'model': 'gpt' if isinstance(task, GPTGRPO) else 'ldm', **(tcfg.tags or {})})
+    family = 'gpt' if isinstance(task, GPTGRPO) else 'hybrid' if isinstance(task, HybridGRPO) else 'ldm'
+    tcfg = dataclasses.replace(tcfg, tags={'model': family, **(tcfg.tags or {})})
     prompts, ctx = task.prompts(tcfg.n_samples, seed=GRID_SEED)
     sources = ctx.get('sources')
     if tcfg.validation_prompts and task.editor: raise ConfigError("--validation_prompts: an editor's grids need source images too; they come from the prompt stream.")
@@ -64,7 +68,7 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
             rows, labels = [out/'grid_sources.png', *rows, out/'grid_targets.png'], ['source', *labels, 'target']
         stack_rows(rows, labels).save(out/'before_after.png')
         logs = summary.get('last_logs') or {}
-        shown = {k: round(float(v), 4) for k, v in logs.items() if k.startswith('reward') or k in ('zero_spread_groups', 'clip_frac', 'kl_ref')}
+        shown = {k: round(float(v), 4) for k, v in logs.items() if 'reward/' in k or k.rsplit('/', 1)[-1] in ('zero_spread_groups', 'clip_frac', 'kl_ref')}
         print(f"last logged step: {shown}\ngrids: {before} (before), {out/'before_after.png'} ({', '.join(labels)}, top to bottom)")
     return summary
 

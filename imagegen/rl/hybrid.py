@@ -101,6 +101,7 @@ class HybridGRPO:
         self.ref_ar = copy.deepcopy(gpt).eval().requires_grad_(False) if kl and self.trains_ar else None
         self.ref_decoder = copy.deepcopy(unet).eval().requires_grad_(False) if kl and self.trains_decoder else None
         self.sample_prompts = pipeline.sample_prompts
+        self.model, self.editor = pipeline, False                             # as the other GRPO tasks: the model trained; text-to-image
 
     def __repr__(self): return f"HybridGRPO(stage={self.stage!r}, G={self.grpo.group_size}, D={self.D}, ar_reward={self.ar_reward!r}, decoder_reward={self.decoder_reward!r})"
 

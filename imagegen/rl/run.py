@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 from ..ar.edit import GPTEditor
+from ..ar.hybrid import HybridPipeline, is_hybrid_folder
 from ..ar.task import GPT_FILE, TextToImageGPT
 from ..config import Config, ConfigError
 from ..diffusion.edit import LatentEditor, is_edit_folder
@@ -16,6 +17,7 @@ from ..diffusion.glide import GLIDE_FILE
 from ..diffusion.ldm import LatentDiffusion
 from .diffusion import DiffusionGRPO
 from .gpt import GPTGRPO
+from .hybrid import STAGES, HybridGRPO
 from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts
 from .rewards import make_reward
 
@@ -26,7 +28,7 @@ __all__ = ['GRPORunConfig']
 @dataclass
 class GRPORunConfig(Config):
     "The model section of a GRPO run: the checkpoint it fine-tunes, the rewards, the prompt stream and the rollouts' sampling."
-    pretrained_model_name_or_path: str|None = None  # the model to fine-tune: the model/ folder of a train_gpt.py, train_ldm.py or train_edit.py run
+    pretrained_model_name_or_path: str|None = None  # the model to fine-tune: the model/ folder of a train_gpt.py, train_ldm.py or train_edit.py run, or a HybridPipeline folder
     reward: dict|None = None                  # reward weights, e.g. 'oracle=1,clip=0.5' (names: imagegen.rl.rewards.REWARDS); None: oracle alone
     graded: bool = True                       # oracle reward: partial credit per attribute instead of all-or-nothing
     clip_model: str|None = None               # the 'clip' and 'aesthetic' rewards' CLIP model (a folder or Hub id in transformers format)
@@ -46,14 +48,20 @@ class GRPORunConfig(Config):
     train_steps: int|None = None              # diffusion: the first K stochastic steps of each rollout are trained; None: all
     lora_rank: int|None = None                # diffusion: LoRA adapters of this rank on the UNet's attention (None: full fine-tuning)
     lora_alpha: float|None = None             # diffusion: LoRA's alpha (None: the rank)
+    stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
+    decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
+    decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
+    decoder_guidance_scale: float|None = None # hybrid: the decoder's text guidance in rollouts (None: 1, the upsampler's default)
     cache_dir: str|None = None                # Hub cache of the CLIP model
 
     presets: ClassVar[dict[str, dict]] = {'default': {}}
 
     def __post_init__(self):
-        if self.reward is not None:
-            try: self.reward = {str(k): float(v) for k, v in self.reward.items()}
-            except (TypeError, ValueError): raise ConfigError(f"GRPORunConfig.reward={self.reward!r}: give name=weight pairs, e.g. 'oracle=1,clip=0.5'.") from None
+        for f in ('reward', 'decoder_reward'):
+            if getattr(self, f) is None: continue
+            try: setattr(self, f, {str(k): float(v) for k, v in getattr(self, f).items()})
+            except (TypeError, ValueError, AttributeError): raise ConfigError(f"GRPORunConfig.{f}={getattr(self, f)!r}: give name=weight pairs, e.g. 'oracle=1,clip=0.5'.") from None
+        if self.stage is not None and self.stage not in STAGES: raise ConfigError(f"GRPORunConfig.stage={self.stage!r}: choose one of {', '.join(STAGES)}.")
         if self.ratio_on not in ('guided', 'conditional'): raise ConfigError(f"GRPORunConfig.ratio_on={self.ratio_on!r}: 'guided' or 'conditional'.")
         if self.prompt_level not in (1, 2): raise ConfigError(f"GRPORunConfig.prompt_level={self.prompt_level}: Shapes scenes have 1 or 2 objects.")
         if self.prompts_per_step < 1 or self.inner_steps < 1: raise ConfigError("GRPORunConfig: prompts_per_step and inner_steps must be >= 1.")
@@ -79,6 +87,7 @@ class GRPORunConfig(Config):
                                     "the model/ folder of a train_gpt.py, train_ldm.py or train_edit.py run.")
         d = Path(p)
         if not d.exists(): raise FileNotFoundError(f"--pretrained_model_name_or_path {p} does not exist.")
+        if is_hybrid_folder(d): return HybridPipeline.from_pretrained(d)
         if (d/GPT_FILE).exists():
             if json.loads((d/GPT_FILE).read_text()).get('task') == 'edit': return GPTEditor.from_pretrained(d)
             return TextToImageGPT.from_pretrained(d)
@@ -89,9 +98,16 @@ class GRPORunConfig(Config):
         raise ConfigError(f"{p} holds neither {GPT_FILE} (a latent GPT) nor unet/ (a latent diffusion model): pass the model/ folder "
                           "of a train_gpt.py, train_ldm.py or train_edit.py run.")
 
-    def build(self, grpo:GRPOConfig|None=None) -> GPTGRPO|DiffusionGRPO:
+    def _reward(self, weights:dict[str, float]):
+        return make_reward(weights, clip=self.clip_model if {'clip', 'aesthetic'} & set(weights) else None, graded=self.graded,
+                           aesthetic_head=self.aesthetic_head)
+
+    def build(self, grpo:GRPOConfig|None=None) -> GPTGRPO|DiffusionGRPO|HybridGRPO:
         "The GRPO task for the shared loop; the rewards' context is checked on one draw of prompts first."
         model = self.load_model()
+        hybrid_opts = [f for f in ('stage', 'decoder_reward', 'decoder_group_size', 'decoder_guidance_scale') if getattr(self, f) is not None]
+        if isinstance(model, HybridPipeline): return self._build_hybrid(model, grpo)
+        if hybrid_opts: raise ConfigError(f"{', '.join(hybrid_opts)}: options of hybrid pipeline runs; {self.pretrained_model_name_or_path} is a single model.")
         diffusion = isinstance(model, LatentDiffusion)
         editor = model.unet.config.in_channels > model.autoencoder.latent_channels if diffusion else bool(model.gpt.config.source_tokens)
         if not diffusion and (self.lora_rank is not None or self.train_steps is not None):
@@ -99,9 +115,7 @@ class GRPORunConfig(Config):
         if diffusion and (self.temperature is not None or self.ratio_on != 'guided'):
             raise ConfigError("temperature and ratio_on are options of latent GPT runs; a diffusion step is scored under the guided mixture that drew it.")
         prompts = self.prompt_source(editor, model.resolution if editor or not diffusion else 32)
-        weights = self.reward_weights
-        reward = make_reward(weights, clip=self.clip_model if {'clip', 'aesthetic'} & set(weights) else None, graded=self.graded,
-                             aesthetic_head=self.aesthetic_head)
+        reward = self._reward(self.reward_weights)
         _, ctx = prompts(2, seed=0)
         for r, _ in reward.terms: r.check_context(2, ctx)
         if diffusion:
@@ -109,3 +123,17 @@ class GRPORunConfig(Config):
                                  self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha)
         return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
                        self.ratio_on, self.inner_steps, self.image_guidance_scale)
+
+    def _build_hybrid(self, pipe:HybridPipeline, grpo:GRPOConfig|None) -> HybridGRPO:
+        if self.lora_rank is not None or self.image_guidance_scale is not None:
+            raise ConfigError("lora_rank and image_guidance_scale: a hybrid pipeline run trains its stages fully, from prompts alone.")
+        prompts = self.prompt_source(False)
+        ar_reward = self._reward(self.reward_weights)
+        dec_reward = ar_reward if self.decoder_reward is None else self._reward(self.decoder_reward)
+        _, ctx = prompts(2, seed=0)
+        ctx = {'tokens': [None, None], 'targets': [None, None], **ctx}       # the task gives both: the sampled grids, the layouts' images
+        for r, _ in ar_reward.terms + dec_reward.terms: r.check_context(2, ctx)
+        return HybridGRPO(pipe, ar_reward, prompts, dec_reward, self.stage or 'both', grpo, self.prompts_per_step, self.decoder_group_size or 2,
+                          self.guidance_scale, self.temperature, self.ratio_on, self.num_inference_steps,
+                          1.0 if self.decoder_guidance_scale is None else self.decoder_guidance_scale, self.eta, self.train_steps,
+                          None, self.inner_steps)
