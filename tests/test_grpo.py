@@ -174,3 +174,110 @@ def test_diffusion_grpo_two_ranks_match_one_rank(tmp_path):
     moved = (flat(a) - flat(start)).abs().max().item()
     assert moved > 1e-4, f"GRPO barely changed the UNet ({moved})"
     torch.testing.assert_close(flat(a), flat(b), rtol=0, atol=1e-3 * moved)
+
+
+TINY_HYBRID = '''
+def tiny_hybrid(seed=0):
+    "A tiny untrained hybrid pipeline: a 2-layer latent GPT over a random 16-code VQ-VAE (32 px) and a 32 -> 64 px GLIDE upsampler."
+    import torch
+    from diffusers import VQModel
+    from imagegen.ar.hybrid import HybridPipeline
+    from imagegen.ar.task import GPTConfig, TextToImageGPT
+    from imagegen.autoencoders.vq import VQTokenizer
+    from imagegen.diffusion.upsampler import GlideUpsampler, UpsamplerConfig
+    from imagegen.rl.grpo import ShapesPrompts
+    corpus = ShapesPrompts()(200, seed=0)[0]
+    torch.manual_seed(seed)
+    vq = VQTokenizer(VQModel(block_out_channels=(16, 32, 32), down_block_types=('DownEncoderBlock2D',) * 3,
+                             up_block_types=('UpDecoderBlock2D',) * 3, latent_channels=8, vq_embed_dim=8, num_vq_embeddings=16,
+                             norm_num_groups=8, sample_size=32))
+    ar = TextToImageGPT.from_config(GPTConfig.preset('tiny', n_layer=2, n_embd=64, n_head=4, text_hidden=32, text_layers=1,
+                                                     text_max_length=24, vqvae='(in memory)', guidance_scale=3.0, temperature=1.0),
+                                    corpus=corpus, tokenizer=vq)
+    dec = GlideUpsampler.from_config(UpsamplerConfig(resolution=64, low_res=32, block_out_channels=(32, 32),
+                                                     attention_levels=(False, True), text_width=32, text_ctx=24), corpus=corpus)
+    return HybridPipeline(ar, dec)
+'''
+
+HYBRID_GRPO = TINY_HYBRID + textwrap.dedent('''
+    "GRPO of both stages of a tiny hybrid pipeline on fixed rollouts; argv: OUTPUT_DIR MODE (split: group r on rank r; joint: both on one rank)."
+    import json, os, sys, torch
+    from imagegen.rl.hybrid import HybridGRPO
+    from imagegen.rl.grpo import GRPOConfig, ShapesPrompts
+    from imagegen.rl.rewards import Reward
+    from imagegen.training.loop import TrainConfig, train
+    class ShareOfToken0(Reward):
+        name, needs = 'token0', ('tokens',)
+        def score(self, images, prompts, tokens=None, **_): return (tokens == 0).float().mean(1)
+    class Brightness(Reward):
+        name = 'brightness'
+        def score(self, images, prompts=None, **_): return [sum(im.convert('L').getdata()) / (255 * im.width * im.height) for im in images]
+    out, mode = sys.argv[1], sys.argv[2]
+    rank = int(os.environ.get('RANK', 0))
+    class Recorded(HybridGRPO):
+        "Rollouts of seeds 100 and 101 (one prompt, 4 layouts, 2 decodes each): rank r trains on rollout r, or one rank on both."
+        seen = []
+        def batches(self, accelerator):
+            groups = [self.rollout(100), self.rollout(101)]
+            if mode == 'split': batch = groups[rank]
+            else: batch = {k: torch.cat([g[k] for g in groups]) if torch.is_tensor(groups[0][k]) else
+                              groups[0][k] + groups[1][k] if isinstance(groups[0][k], list) else groups[0][k] for k in groups[0]}
+            for _ in range(self.inner_steps): yield batch
+        def configure_optimizer(self, model, cfg):      # plain SGD: the update is the gradient, so averaged ranks compare exactly
+            return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        def loss(self, model, batch):
+            o = super().loss(model, batch)
+            self.seen.append([o[f'{s}/ratio_{m}'].item() for s in ('ar', 'decoder') for m in ('min', 'max')] + [batch['caption']])
+            return o
+    task = Recorded(tiny_hybrid(), ShareOfToken0(), ShapesPrompts(), Brightness(), stage='both', grpo=GRPOConfig(group_size=4),
+                    prompts_per_step=1, decoder_group_size=2, decoder_steps=4, decoder_train_steps=2, inner_steps=2)
+    train(task, None, TrainConfig(output_dir=out, max_steps=2, lr=0.1, tracker='none', checkpoint_every=None, save_model=True,
+                                  max_grad_norm=None))
+    with open(f'{out}/seen_rank{rank}.json', 'w') as f: json.dump(task.seen, f)
+''')
+
+
+def test_hybrid_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
+    "Hybrid GRPO of both stages on 2 ranks: ratio exactly 1 for both stages at each rollout's first update on each rank, and both stages end at the weights one rank reaches on both rollouts (gradients synchronised through the one wrapper)."
+    import json, torch
+    from imagegen.ar.hybrid import HybridPipeline
+    (tmp_path/'hgrpo.py').write_text(HYBRID_GRPO)
+    launch(tmp_path/'hgrpo.py', tmp_path/'split', 'split')
+    launch(tmp_path/'hgrpo.py', tmp_path/'joint', 'joint', num_processes=1)
+    seen = {r: json.loads((tmp_path/'split'/f'seen_rank{r}.json').read_text()) for r in (0, 1)}
+    for r in (0, 1):
+        first, second = seen[r]
+        assert first[:4] == [1.0] * 4, f"rank {r}: the first update of its rollout had ratio ranges {first[:4]} (ar min/max, decoder min/max)"
+        assert second[:2] != [1.0, 1.0] and second[2:4] != [1.0, 1.0], f"rank {r}: the second update did not move both ratios: {second[:4]}"
+    assert seen[0][0][4] != seen[1][0][4], "both ranks trained on the same rollout"
+    exec(TINY_HYBRID, ns := {})
+    start = ns['tiny_hybrid']()
+    a, b = (HybridPipeline.from_pretrained(tmp_path/m/'model') for m in ('split', 'joint'))
+    flat = lambda mod: torch.cat([p.detach().flatten() for p in mod.parameters()])
+    for stage in ('ar', 'decoder'):
+        get = (lambda p: p.ar.gpt) if stage == 'ar' else (lambda p: p.decoder.unet)
+        moved = (flat(get(a)) - flat(get(start))).abs().max().item()
+        assert moved > 1e-4, f"GRPO barely changed the {stage} stage ({moved})"
+        # a tolerance of 2 % of the move: a decode pair's advantages are +1 and -1, so its gradients nearly cancel and the sum
+        # keeps float32 rounding of the larger terms (batches of 8 and 16 round differently); unsynchronised ranks miss by ~the move
+        gap = (flat(get(a)) - flat(get(b))).abs().max().item()
+        assert gap < 0.02 * moved, f"{stage}: 2 ranks end {gap:.3g} away from 1 rank on both rollouts (the stage moved {moved:.3g})"
+
+
+
+def test_sample_script_on_a_hybrid_folder(tmp_path):
+    "sample.py --model HYBRID: the GPT's images in OUT/base at its resolution, the decoder's in OUT at the full one; --upsampler is refused in one line."
+    import json, sys
+    from PIL import Image
+    from conftest import run, ROOT
+    exec(TINY_HYBRID, ns := {})
+    ns['tiny_hybrid']().save_pretrained(tmp_path/'hybrid')
+    out = tmp_path/'samples'
+    run([sys.executable, str(ROOT/'scripts'/'sample.py'), '--model', str(tmp_path/'hybrid'), '--shapes_split', 'test', '--n', '3',
+         '--upsampler_steps', '4', '--out', str(out)])
+    rows = [json.loads(l) for l in (out/'samples.jsonl').read_text().splitlines()]
+    assert len(rows) == 3 and rows[0]['family'] == 'hybrid' and rows[0]['upsampler_steps'] == 4
+    assert Image.open(out/'000000.png').size == (64, 64) and Image.open(out/'base'/'000000.png').size == (32, 32)
+    p = run([sys.executable, str(ROOT/'scripts'/'sample.py'), '--model', str(tmp_path/'hybrid'), '--prompts', 'a red circle',
+             '--upsampler', str(tmp_path/'hybrid'/'decoder'), '--out', str(tmp_path/'x')], check=False)
+    assert p.returncode == 2 and 'hybrid pipeline' in p.stderr and 'Traceback' not in p.stderr, p.stderr
