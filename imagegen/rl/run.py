@@ -92,8 +92,9 @@ class GRPORunConfig(Config):
             if json.loads((d/GPT_FILE).read_text()).get('task') == 'edit': return GPTEditor.from_pretrained(d)
             return TextToImageGPT.from_pretrained(d)
         if (d/GLIDE_FILE).exists() or (d/'image_noising_scheduler').is_dir():
-            raise ConfigError(f"{p} is a GLIDE model: its UNet predicts a variance, and GRPO's step log-probabilities here are DDIM's for "
-                              "noise predictions; fine-tune a latent diffusion (train_ldm.py) or latent GPT (train_gpt.py) model.")
+            raise ConfigError(f"{p} is a GLIDE model: GRPO fine-tunes a GLIDE upsampler as the decoder of a hybrid pipeline (a folder written "
+                              "by imagegen.ar.hybrid.HybridPipeline.save_pretrained), not a GLIDE model on its own; fine-tune a latent diffusion "
+                              "(train_ldm.py), latent GPT (train_gpt.py) or hybrid pipeline folder.")
         if (d/'unet').is_dir(): return LatentEditor.from_pretrained(d) if is_edit_folder(d) else LatentDiffusion.from_pretrained(d)
         raise ConfigError(f"{p} holds neither {GPT_FILE} (a latent GPT) nor unet/ (a latent diffusion model): pass the model/ folder "
                           "of a train_gpt.py, train_ldm.py or train_edit.py run.")
