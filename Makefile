@@ -1,6 +1,7 @@
 # imagegen build file. Every target installs what it needs into $(VENV) first.
 #   make main     the main job (see README)
 #   make test     everything CI checks: notebooks clean + in sync, imports, pytest, nbdev_test
+#   make nbtest   the notebooks alone (NB_FLAGS="slow cuda" adds the flagged cells)
 #   make export   notebooks -> imagegen/ + scripts/ (nbdev_clean, nbdev_export, script export, stale removal)
 SHELL := /bin/bash
 VENV ?= .venv
@@ -12,7 +13,7 @@ ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
 export ACCELERATE_USE_CPU := 1
 endif
 
-.PHONY: install export check test main diagnose sysdeps
+.PHONY: install export check test nbtest main diagnose sysdeps
 install: $(VENV)/.installed
 # the first Python 3.10+ that runs: python3, else python3.13 ... python3.10 (override: make PYTHON=/path/to/python3)
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11 python3.10; do \
@@ -46,11 +47,18 @@ sysdeps:
 
 test: check sysdeps
 	$(PY) -m pytest tests -q -p no:cacheprovider
-	$(BIN)/nbdev_test --timing
+	$(MAKE) --no-print-directory nbtest
 	@untracked=$$(git ls-files --others --exclude-standard imagegen scripts nbs 2>/dev/null); \
 	if [ -n "$$untracked" ]; then echo "generated or new files not added to git: $$untracked (git add them)"; exit 1; fi
 	@if [ -n "$${CI:-}" ] && [ -n "$$(git status --porcelain 2>/dev/null)" ]; then \
 	  echo "the tests left the tree dirty:"; git status --porcelain; exit 1; fi
+
+# nbdev_test runs one notebook per core, in parallel. Each would also start one torch thread per core, and on
+# oversubscribed cores the small models' many short parallel ops wait for each other at every barrier: one thread per
+# notebook (OMP_NUM_THREADS=1) keeps every core busy with useful work. README, "Test", has the measurement.
+NB_FLAGS ?=
+nbtest: install
+	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --timing $(if $(NB_FLAGS),--flags "$(NB_FLAGS)")
 
 # The main job: Shapes -> a first stage -> a text-to-image model -> held-out prompts -> grid + metrics JSON.
 #   FAMILY=ldm (default): tiny KL VAE -> tiny latent diffusion (recipes scripts/configs/main_vae.yaml, main_ldm.yaml)

@@ -52,3 +52,32 @@ def rank_records(probe, n:int) -> list[dict]:
     "The records tests/dist_probe.py wrote for ranks 0..n-1 of one launch."
     import torch
     return [torch.load(Path(probe)/f'rank{r}.pt', weights_only=False) for r in range(n)]
+
+_MANY = r'''
+import contextlib, io, json, os, runpy, sys, traceback
+calls, res = json.loads(sys.argv[1]), []
+for script, argv, env in calls:
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try: runpy.run_path(script, run_name='__main__')
+        except SystemExit as e: rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException: rc = 1; err.write(traceback.format_exc())
+    for k, v in old_env.items():
+        if v is None: os.environ.pop(k, None)
+        else: os.environ[k] = v
+    res.append({'returncode': rc, 'stdout': out.getvalue(), 'stderr': err.getvalue()})
+print(json.dumps(res))
+'''
+
+def run_many(calls, timeout=600) -> list[dict]:
+    """Run each `(script, argv[, env])` of `calls` as `python script *argv` would, one after the other in ONE fresh
+    interpreter (runpy, `__name__ == '__main__'`), and return `{'returncode', 'stdout', 'stderr'}` for each.
+    For the CLI checks that end before any work starts (--help, refused flags and configs): they would each pay the
+    seconds torch + diffusers take to import; a fresh process per check is kept for everything that trains or launches."""
+    import json
+    calls = [(str(ROOT/c[0]), list(map(str, c[1])), dict(c[2]) if len(c) > 2 else {}) for c in calls]
+    p = run([sys.executable, '-c', _MANY, json.dumps(calls)], timeout=timeout)
+    return json.loads(p.stdout.strip().splitlines()[-1])

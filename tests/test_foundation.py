@@ -2,7 +2,7 @@
 import ast, importlib, json, shutil, sys
 from pathlib import Path
 import pytest
-from conftest import ROOT, BIN, run
+from conftest import ROOT, BIN, run, run_many
 
 MODULES = sorted(p.stem for p in (ROOT/'imagegen').glob('*.py') if not p.stem.startswith('_'))
 SCRIPTS = sorted((ROOT/'scripts').glob('*.py'))
@@ -23,10 +23,20 @@ def test_script_first_statement_is_future_import(script):
     assert isinstance(body[0], ast.ImportFrom) and body[0].module == '__future__', f"{script.name}: first statement must be `from __future__ import annotations`"
     compile(script.read_text(), str(script), 'exec')
 
+@pytest.fixture(scope='module')
+def helps():
+    "Every script's `--help`, run as `__main__` in one interpreter (see conftest.run_many)."
+    return dict(zip(SCRIPTS, run_many([(s, ['--help']) for s in SCRIPTS])))
+
 @pytest.mark.parametrize('script', SCRIPTS, ids=lambda p: p.name)
-def test_script_help(script):
-    p = run([sys.executable, str(script), '--help'])
-    assert p.stdout.startswith('usage:'), p.stdout
+def test_script_help(script, helps):
+    p = helps[script]
+    assert p['returncode'] == 0 and p['stdout'].startswith('usage:'), p
+
+def test_one_script_help_in_its_own_process():
+    "The same check as a user types it, once: a fresh interpreter, the script's path, --help."
+    p = run([sys.executable, str(ROOT/'scripts'/'train_ldm.py'), '--help'])
+    assert p.stdout.startswith('usage: train_ldm.py') and '--learning_rate' in p.stdout, p.stdout
 
 def test_diagnose_json():
     r = json.loads(run([str(BIN/'imagegen-diagnose'), '--json']).stdout)

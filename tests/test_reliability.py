@@ -142,7 +142,7 @@ def test_two_runs_on_one_folder_the_second_is_refused(tmp_path):
     assert res['step'] == 60
 
 
-@pytest.mark.parametrize('args, expect', [
+USER_ERRORS = [
     (['--learning_rate', '-1'], 'TrainConfig.lr=-1.0: must be a positive, finite number'),
     (['--learning_rate', 'nan'], 'TrainConfig.lr=nan'),
     (['--lr_warmup_steps', '-10'], 'TrainConfig.warmup_steps=-10: must be >= 0'),
@@ -152,14 +152,32 @@ def test_two_runs_on_one_folder_the_second_is_refused(tmp_path):
     (['--max_step', '3'], 'unrecognized arguments: --max_step'),           # a typo is not a prefix of --max_steps
     (['--output_dir', ''], 'TrainConfig.output_dir=\'\': must name a folder'),
     (['--train_data_dir', './no/such/folder'], 'dataset ./no/such/folder does not exist (a local path, not a Hub id'),
-])
-def test_user_errors_are_one_line_and_exit_2(tmp_path, args, expect):
+]
+
+@pytest.mark.parametrize('args, expect', USER_ERRORS)
+def test_user_errors_are_one_line_and_exit_2(args, expect, user_errors):
+    p = user_errors[tuple(args)]
+    assert p['returncode'] == 2 and expect in p['stderr'], p['stderr'][-3000:]
+    assert 'Traceback' not in p['stderr'], p['stderr']
+
+
+@pytest.fixture(scope='module')
+def user_errors(tmp_path_factory):
+    "train_ldm.py with each bad argument of USER_ERRORS, all in one interpreter (conftest.run_many)."
+    from conftest import run_many
+    out = tmp_path_factory.mktemp('user_errors')/'out'
+    calls = [('scripts/train_ldm.py', ['--output_dir', out, '--report_to', 'none', *a], {'HF_HUB_OFFLINE': '1'}) for a, _ in USER_ERRORS]
+    return {tuple(a): r for (a, _), r in zip(USER_ERRORS, run_many(calls))}
+
+
+def test_a_user_error_in_its_own_process(tmp_path):
+    "One of the above as a user meets it: a fresh interpreter exits 2 with one line."
     import subprocess, sys
     from conftest import ROOT
-    p = subprocess.run([sys.executable, 'scripts/train_ldm.py', '--output_dir', str(tmp_path/'out'), '--report_to', 'none', *args],
+    p = subprocess.run([sys.executable, 'scripts/train_ldm.py', '--output_dir', str(tmp_path/'out'), '--learning_rate', '-1'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'HF_HUB_OFFLINE': '1'})
-    assert p.returncode == 2 and expect in p.stderr, p.stderr[-3000:]
-    assert 'Traceback' not in p.stderr
+    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == 'train_ldm.py: error: TrainConfig.lr=-1.0: must be a positive, finite number.', p.stderr
 
 
 def test_unwritable_or_full_output_dir_is_refused_before_training(tmp_path, monkeypatch):
