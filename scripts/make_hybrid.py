@@ -7,7 +7,7 @@ from imagegen.config import ConfigError, run_script
 
 def make_hybrid(ar:str, decoder:str, output_dir:str) -> Path:
     "Load both stages, check they fit, and write the hybrid folder (through a temporary folder renamed into place)."
-    from imagegen.ar.hybrid import HybridPipeline
+    from imagegen.hybrid import HybridPipeline
     from imagegen.ar.task import TextToImageGPT
     from imagegen.diffusion.upsampler import GlideUpsampler
     out = Path(output_dir)

@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from imagegen.ar.edit import GPTEditor
-from imagegen.ar.hybrid import HybridPipeline, is_hybrid_folder
+from imagegen.hybrid import HybridPipeline, is_hybrid_folder
 from imagegen.ar.task import GPT_FILE, TextToImageGPT
 from imagegen.config import ConfigError, run_script
 from imagegen.diagnostics import destroy_process_group_at_exit

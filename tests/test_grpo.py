@@ -181,7 +181,7 @@ def tiny_hybrid(seed=0):
     "A tiny untrained hybrid pipeline: a 2-layer latent GPT over a random 16-code VQ-VAE (32 px) and a 32 -> 64 px GLIDE upsampler."
     import torch
     from diffusers import VQModel
-    from imagegen.ar.hybrid import HybridPipeline
+    from imagegen.hybrid import HybridPipeline
     from imagegen.ar.task import GPTConfig, TextToImageGPT
     from imagegen.autoencoders.vq import VQTokenizer
     from imagegen.diffusion.upsampler import GlideUpsampler, UpsamplerConfig
@@ -240,7 +240,7 @@ HYBRID_GRPO = TINY_HYBRID + textwrap.dedent('''
 def test_hybrid_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
     "Hybrid GRPO of both stages on 2 ranks: ratio exactly 1 for both stages at each rollout's first update on each rank, and both stages end at the weights one rank reaches on both rollouts (gradients synchronised through the one wrapper)."
     import json, torch
-    from imagegen.ar.hybrid import HybridPipeline
+    from imagegen.hybrid import HybridPipeline
     (tmp_path/'hgrpo.py').write_text(HYBRID_GRPO)
     launch(tmp_path/'hgrpo.py', tmp_path/'split', 'split')
     launch(tmp_path/'hgrpo.py', tmp_path/'joint', 'joint', num_processes=1)

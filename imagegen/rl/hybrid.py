@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from diffusers.utils.torch_utils import randn_tensor
-from ..ar.hybrid import HybridPipeline
+from ..hybrid import HybridPipeline
 from ..config import ConfigError, UserError
 from .diffusion import ddim_step_std, ddim_step_with_logprob, diffusion_logprobs, guided_prediction, rollout_scheduler
 from .gpt import gpt_logprobs, gpt_rollouts, sampling_settings

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 from ..ar.edit import GPTEditor
-from ..ar.hybrid import HybridPipeline, is_hybrid_folder
+from ..hybrid import HybridPipeline, is_hybrid_folder
 from ..ar.task import GPT_FILE, TextToImageGPT
 from ..config import Config, ConfigError
 from ..diffusion.edit import LatentEditor, is_edit_folder
@@ -93,7 +93,7 @@ class GRPORunConfig(Config):
             return TextToImageGPT.from_pretrained(d)
         if (d/GLIDE_FILE).exists() or (d/'image_noising_scheduler').is_dir():
             raise ConfigError(f"{p} is a GLIDE model: GRPO fine-tunes a GLIDE upsampler as the decoder of a hybrid pipeline (a folder written "
-                              "by imagegen.ar.hybrid.HybridPipeline.save_pretrained), not a GLIDE model on its own; fine-tune a latent diffusion "
+                              "by imagegen.hybrid.HybridPipeline.save_pretrained), not a GLIDE model on its own; fine-tune a latent diffusion "
                               "(train_ldm.py), latent GPT (train_gpt.py) or hybrid pipeline folder.")
         if (d/'unet').is_dir(): return LatentEditor.from_pretrained(d) if is_edit_folder(d) else LatentDiffusion.from_pretrained(d)
         raise ConfigError(f"{p} holds neither {GPT_FILE} (a latent GPT) nor unet/ (a latent diffusion model): pass the model/ folder "
