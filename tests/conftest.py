@@ -69,7 +69,7 @@ for script, argv, env in calls:
         if v is None: os.environ.pop(k, None)
         else: os.environ[k] = v
     res.append({'returncode': rc, 'stdout': out.getvalue(), 'stderr': err.getvalue()})
-print(json.dumps(res))
+print('RUN_MANY ' + json.dumps(res), flush=True)
 '''
 
 def run_many(calls, timeout=600) -> list[dict]:
@@ -80,4 +80,4 @@ def run_many(calls, timeout=600) -> list[dict]:
     import json
     calls = [(str(ROOT/c[0]), list(map(str, c[1])), dict(c[2]) if len(c) > 2 else {}) for c in calls]
     p = run([sys.executable, '-c', _MANY, json.dumps(calls)], timeout=timeout)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(next(l for l in p.stdout.splitlines() if l.startswith('RUN_MANY '))[len('RUN_MANY '):])   # whatever else was printed (exit hooks, warnings) is ignored
