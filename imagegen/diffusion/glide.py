@@ -25,7 +25,7 @@ from ..training.loop import make_optimizer
 
 # %% auto #0
 __all__ = ['GLIDE_FILE', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'build_glide_unet', 'build_glide_text_model',
-           'build_glide_scheduler', 'GlideDiffusion', 'predicted_noise', 'variational_bound_terms']
+           'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion', 'predicted_noise', 'variational_bound_terms']
 
 # %% ../../nbs/04c_glide.ipynb #f61a26c5
 class GlideTextConfig(CLIPTextConfig):
@@ -105,6 +105,7 @@ class GlideConfig(Config):
     prediction_type:str = 'epsilon'      # 'epsilon' (GLIDE's) or 'v_prediction'
     num_train_timesteps:int = 1000
     beta_schedule:str = 'squaredcos_cap_v2'
+    schedule_shift:float = 1.0           # divide every step's SNR by shift**2 (simple diffusion's shifted schedule; > 1: more of it at high noise)
     train_text_encoder:bool = True       # GLIDE trains its text transformer with the UNet
 
     presets = {
@@ -127,6 +128,7 @@ class GlideConfig(Config):
         if not 0 <= self.uncond_p <= 1: bad('uncond_p', "must be in [0, 1] (GLIDE base: 0.2; the upsampler: 0).")
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
         if self.snr_gamma is not None and not self.snr_gamma > 0: bad('snr_gamma', "must be > 0 (5.0 is usual), or None for plain MSE.")
+        if not self.schedule_shift > 0: bad('schedule_shift', "must be > 0 (1: the schedule as it is; 2: every SNR divided by 4).")
         if self.prediction_type not in ('epsilon', 'v_prediction'): bad('prediction_type', "use 'epsilon' or 'v_prediction'.")
 
 # %% ../../nbs/04c_glide.ipynb #d1aecf47
@@ -160,11 +162,19 @@ def build_glide_text_model(cfg:GlideConfig, tokenizer) -> GlideTextModel:
                                           max_position_embeddings=cfg.text_ctx, hidden_act='gelu', pad_token_id=pad,
                                           eos_token_id=eos, bos_token_id=tokenizer.bos_token_id))
 
+def shifted_betas(alphas_cumprod:torch.Tensor, shift:float) -> list[float]:
+    "Betas of the schedule whose SNR at every step is `alphas_cumprod`'s divided by `shift**2` (capped at 0.999 like the cosine's)."
+    a = alphas_cumprod.double()
+    a = a / (a + shift ** 2 * (1 - a))
+    return (1 - a / torch.cat([a.new_ones(1), a[:-1]])).clamp(max=0.999).tolist()
+
 def build_glide_scheduler(cfg:GlideConfig, beta_schedule:str|None=None) -> DDPMScheduler:
-    "The training schedule: DDPM over `cfg.beta_schedule` (cosine for GLIDE's base), learned-range variance when learned."
-    return DDPMScheduler(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=beta_schedule or cfg.beta_schedule,
-                         variance_type='learned_range' if cfg.learn_sigma else 'fixed_small', clip_sample=True,
-                         prediction_type=cfg.prediction_type)
+    "The training schedule: DDPM over `cfg.beta_schedule` (cosine for GLIDE's base) shifted by `cfg.schedule_shift`, learned-range variance when learned."
+    kw = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=beta_schedule or cfg.beta_schedule,
+              variance_type='learned_range' if cfg.learn_sigma else 'fixed_small', clip_sample=True, prediction_type=cfg.prediction_type)
+    s = DDPMScheduler(**kw)
+    if cfg.schedule_shift == 1: return s
+    return DDPMScheduler(**kw, trained_betas=shifted_betas(s.alphas_cumprod, cfg.schedule_shift))   # a plain beta list: every diffusers sampler and IFPipeline reads it
 
 # %% ../../nbs/04c_glide.ipynb #7f961979
 class GlideDiffusion:
