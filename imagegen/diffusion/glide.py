@@ -138,8 +138,8 @@ def _norm_groups(channels) -> int:
     return max(d for d in range(1, 33) if g % d == 0)
 
 def build_glide_unet(cfg:GlideConfig, text_width:int|None=None, in_channels:int=3, cross_attention_dim:int|None=None,
-                     **overrides) -> UNet2DConditionModel:
-    "GLIDE's ADM UNet as a `UNet2DConditionModel` (`overrides`: extra constructor arguments, e.g. for the upsampler)."
+                     unet_class:type=UNet2DConditionModel, **overrides) -> UNet2DConditionModel:
+    "GLIDE's ADM UNet as a `UNet2DConditionModel` or a subclass of it (`unet_class`); `overrides`: extra constructor arguments, e.g. for the upsampler."
     text_width = text_width or cfg.text_width
     xdim = cross_attention_dim or cfg.text_width
     down = tuple('SimpleCrossAttnDownBlock2D' if a else 'ResnetDownsampleBlock2D' for a in cfg.attention_levels)
@@ -151,7 +151,7 @@ def build_glide_unet(cfg:GlideConfig, text_width:int|None=None, in_channels:int=
               resnet_time_scale_shift='scale_shift', norm_num_groups=_norm_groups(cfg.block_out_channels), dropout=cfg.dropout,
               encoder_hid_dim=text_width if text_width != xdim else None, only_cross_attention=cfg.only_cross_attention)
     if cfg.pooled_text: kw.update(addition_embed_type='text', addition_embed_type_num_heads=max(1, xdim // 64))
-    return UNet2DConditionModel(**{**kw, **overrides})
+    return unet_class(**{**kw, **overrides})
 
 def build_glide_text_model(cfg:GlideConfig, tokenizer) -> GlideTextModel:
     "A randomly initialised GLIDE text transformer for `tokenizer` (its vocabulary and pad/end tokens)."
@@ -344,7 +344,8 @@ def save_pretrained(self:GlideDiffusion, save_directory:str|Path, sampler:str='d
                 train_scheduler=dict(self.scheduler.config))
     (d/GLIDE_FILE).write_text(json.dumps(meta, indent=2))
 
-def _load_glide_parts(path:str|Path, config_class, train_text_encoder:bool|None, cache_dir:str|None, revision:str|None):
+def _load_glide_parts(path:str|Path, config_class, train_text_encoder:bool|None, cache_dir:str|None, revision:str|None,
+                      unet_classes:tuple=(UNet2DConditionModel,)):
     "UNet, text encoder, training schedule, metadata and config of a folder written by a GLIDE stage's `save_pretrained`."
     p, hub = Path(path), dict(cache_dir=cache_dir, revision=revision)
     if p.exists():
@@ -356,7 +357,9 @@ def _load_glide_parts(path:str|Path, config_class, train_text_encoder:bool|None,
     meta = json.loads((p/GLIDE_FILE).read_text()) if (p/GLIDE_FILE).exists() else {}
     cfg = config_class.from_dict(meta['config'], source=str(p/GLIDE_FILE)) if meta.get('config') else None
     if train_text_encoder is None: train_text_encoder = bool(cfg.train_text_encoder) if cfg else True
-    unet = UNet2DConditionModel.from_pretrained(str(path), subfolder='unet', **hub)
+    saved = UNet2DConditionModel.load_config(str(path), subfolder='unet', **hub).get('_class_name')   # the UNet's class: ours or diffusers'
+    unet_class = next((c for c in unet_classes if c.__name__ == saved), unet_classes[0])
+    unet = unet_class.from_pretrained(str(path), subfolder='unet', **hub)
     te = TextEncoder(AutoTokenizer.from_pretrained(str(path), subfolder='tokenizer', **hub),
                      GlideTextModel.from_pretrained(str(path), subfolder='text_encoder', **hub), trainable=train_text_encoder)
     sched = (DDPMScheduler.from_config(meta['train_scheduler']) if 'train_scheduler' in meta

@@ -58,7 +58,9 @@ def make_scheduler(name:str, train_schedule, **overrides):
     if name not in SAMPLERS: raise ValueError(f"Unknown sampler {name!r}: choose one of {', '.join(SAMPLERS)}.")
     cls, opts = SAMPLERS[name]
     cfg = getattr(train_schedule, 'config', train_schedule)
-    if 'variance_type' in cfg and 'variance_type' not in inspect.signature(cls.__init__).parameters:
+    learned = cfg.get('variance_type') in ('learned', 'learned_range')
+    drops = learned and cls is not DDPMScheduler and cfg.get('prediction_type', 'epsilon') != 'epsilon'   # DPM-Solver splits it off for epsilon models only
+    if 'variance_type' in cfg and ('variance_type' not in inspect.signature(cls.__init__).parameters or drops):
         cfg = {**cfg, 'variance_type': None}     # the key outlives from_config; say this sampler models no variance (IF pipelines read it)
     return cls.from_config(cfg, **{**opts, **overrides})
 

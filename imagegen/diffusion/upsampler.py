@@ -4,13 +4,14 @@
 
 # %% ../../nbs/04d_upsampler.ipynb #d0a1a0e6
 from __future__ import annotations
-import json, math
+import inspect, json, math
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from diffusers import DDPMScheduler, IFSuperResolutionPipeline, UNet2DConditionModel
+from diffusers import DDPMScheduler, IFSuperResolutionPipeline, ModelMixin, UNet2DConditionModel  # ModelMixin: diffusers looks it up in this module to load ConditionSkipUNet
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from diffusers.utils.torch_utils import randn_tensor
 from fastcore.basics import patch
 from ..config import ConfigError
@@ -20,8 +21,8 @@ from .sampling import make_scheduler, sample_latents
 from ..text import TextEncoder
 
 # %% auto #0
-__all__ = ['UpsamplerConfig', 'build_upsampler_unet', 'build_noising_scheduler', 'GlideUpsampler', 'sample_cascade',
-           'upsampler_report']
+__all__ = ['UpsamplerConfig', 'build_upsampler_unet', 'build_noising_scheduler', 'ConditionSkipUNet', 'GlideUpsampler',
+           'sample_cascade', 'upsampler_report']
 
 # %% ../../nbs/04d_upsampler.ipynb #521078d9
 @dataclass
@@ -36,6 +37,7 @@ class UpsamplerConfig(GlideConfig):
     noise_aug_max:int = 250              # training: augmentation level drawn from [0, noise_aug_max] (0: always level 0, nearly clean)
     noise_level:int = 100                # sampling: augmentation level of the low-resolution input (IF's default: 250)
     train_crop:int|None = None           # train on random crops of this size of the high-resolution images (None: whole images)
+    condition_skip_std:float|None = None  # the UNet adds its output to the best linear estimate from the condition, whose error std this is (ConditionSkipUNet); None: GLIDE's plain UNet
 
     presets = {
         'tiny': dict(),
@@ -49,6 +51,8 @@ class UpsamplerConfig(GlideConfig):
         if not 1 <= self.low_res < self.resolution: raise ConfigError(f"UpsamplerConfig.low_res={self.low_res}: must be below resolution={self.resolution}.")
         for f in ('noise_aug_max', 'noise_level'):
             if not 0 <= getattr(self, f) < self.num_train_timesteps: raise ConfigError(f"UpsamplerConfig.{f}={getattr(self, f)}: must be in [0, {self.num_train_timesteps}).")
+        if self.condition_skip_std is not None and not self.condition_skip_std > 0:
+            raise ConfigError(f"UpsamplerConfig.condition_skip_std={self.condition_skip_std}: must be > 0 (0.05-0.1 on Shapes), or None for GLIDE's plain UNet.")
         if self.train_crop is not None:
             step = math.lcm(self.resolution // self.low_res, 2 ** (len(self.block_out_channels) - 1))
             if self.resolution % self.low_res or not 0 < self.train_crop <= self.resolution or self.train_crop % step:
@@ -57,12 +61,67 @@ class UpsamplerConfig(GlideConfig):
 
 # %% ../../nbs/04d_upsampler.ipynb #40822c50
 def build_upsampler_unet(cfg:UpsamplerConfig, **overrides) -> UNet2DConditionModel:
-    "The upsampler's UNet: GLIDE's, reading (noisy image, upsampled low-resolution image), the augmentation level as class embedding."
-    return build_glide_unet(cfg, in_channels=6, **{'class_embed_type': 'timestep', **overrides})
+    "The upsampler's UNet: GLIDE's, reading (noisy image, upsampled low-resolution image), the augmentation level as class embedding; a `ConditionSkipUNet` with `cfg.condition_skip_std`."
+    overrides = {'class_embed_type': 'timestep', **overrides}
+    if cfg.condition_skip_std is None: return build_glide_unet(cfg, in_channels=6, **overrides)
+    keys = ('num_train_timesteps', 'beta_start', 'beta_end', 'beta_schedule', 'trained_betas')
+    train, noising = build_glide_scheduler(cfg).config, build_noising_scheduler(cfg.num_train_timesteps).config
+    skip = dict(condition_skip_std=cfg.condition_skip_std, skip_prediction_type=cfg.prediction_type,
+                skip_schedule={k: train[k] for k in keys}, skip_noising_schedule={k: noising[k] for k in keys})
+    unet = build_glide_unet(cfg, in_channels=6, unet_class=ConditionSkipUNet, **{**skip, **overrides})
+    nn.init.zeros_(unet.conv_out.weight); nn.init.zeros_(unet.conv_out.bias)   # untrained, it predicts the skip's estimate (ADM zero-initialises this layer too)
+    return unet
 
 def build_noising_scheduler(num_train_timesteps:int=1000) -> DDPMScheduler:
     "The scheduler that noises the low-resolution condition (IF's: cosine over 1000 steps)."
     return DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule='squaredcos_cap_v2')
+
+# %% ../../nbs/04d_upsampler.ipynb #12213381
+class ConditionSkipUNet(UNet2DConditionModel):
+    "A super-resolution `UNet2DConditionModel` whose output is added to the prediction of the best linear estimate of the image from its condition."
+    def __init__(self, *args, condition_skip_std:float=0.1, skip_schedule:dict|None=None, skip_noising_schedule:dict|None=None,
+                 skip_prediction_type:str='v_prediction', **kwargs):
+        super().__init__(*args, **kwargs)
+        if not condition_skip_std > 0: raise ValueError(f"ConditionSkipUNet: condition_skip_std={condition_skip_std} must be > 0 (0.05-0.1 on Shapes).")
+        if skip_prediction_type not in ('epsilon', 'v_prediction'):
+            raise ValueError(f"ConditionSkipUNet: skip_prediction_type={skip_prediction_type!r}: use 'epsilon' or 'v_prediction' (the scheduler's prediction_type).")
+        c = self.config.in_channels // 2
+        if self.config.in_channels % 2 or self.config.out_channels not in (c, 2 * c):
+            raise ValueError(f"ConditionSkipUNet reads (noisy image, condition) of equal channel counts: in_channels={self.config.in_channels}, out_channels={self.config.out_channels}.")
+        self.register_to_config(condition_skip_std=condition_skip_std, skip_schedule=skip_schedule,
+                                skip_noising_schedule=skip_noising_schedule, skip_prediction_type=skip_prediction_type)
+        noising = skip_noising_schedule or dict(build_noising_scheduler().config)
+        self.register_buffer('skip_alphas_cumprod', DDPMScheduler.from_config(skip_schedule or {}).alphas_cumprod.float(), persistent=False)
+        self.register_buffer('skip_noising_alphas_cumprod', DDPMScheduler.from_config(noising).alphas_cumprod.float(), persistent=False)
+
+    def skip(self, sample:torch.Tensor, timestep, class_labels=None) -> torch.Tensor:
+        "The ε or v of the linear estimate x̂₀ from `sample` = (noisy image, condition) at `timestep`, the condition noised to level `class_labels`."
+        c = self.config.in_channels // 2
+        x, cond = sample[:, :c].float(), sample[:, c:].float()
+        t = torch.as_tensor(timestep, device=sample.device).float().reshape(-1).expand(len(sample))
+        ac = self.skip_alphas_cumprod.to(sample.device)
+        lo = t.floor().long().clamp(0, len(ac) - 1); w = (t - lo).clamp(0, 1)                # samplers may ask for fractional timesteps
+        abar = (ac[lo] * (1 - w) + ac[(lo + 1).clamp(max=len(ac) - 1)] * w).view(-1, 1, 1, 1)
+        a, s2 = abar.sqrt(), 1 - abar
+        p = torch.full_like(a, self.config.condition_skip_std ** 2)
+        if class_labels is not None:                                                           # the condition's augmentation noise
+            aug = self.skip_noising_alphas_cumprod.to(sample.device)
+            aug = aug[torch.as_tensor(class_labels, device=sample.device).long().reshape(-1).expand(len(sample)).clamp(0, len(aug) - 1)].view(-1, 1, 1, 1)
+            cond, p = cond / aug.sqrt(), p + (1 - aug) / aug
+        d = s2 + p * abar
+        if self.config.skip_prediction_type == 'epsilon': return s2.sqrt() * (x - a * cond) / d
+        return s2.sqrt() * (a * (1 - p) * x - cond) / d
+
+    def forward(self, sample, timestep, encoder_hidden_states, class_labels=None, *args, return_dict:bool=True, **kwargs):
+        out = super().forward(sample, timestep, encoder_hidden_states, class_labels, *args, return_dict=False, **kwargs)[0]
+        c = self.config.in_channels // 2
+        out = torch.cat([out[:, :c] + self.skip(sample, timestep, class_labels).to(out.dtype), out[:, c:]], dim=1)
+        return UNet2DConditionOutput(sample=out) if return_dict else (out,)
+
+# diffusers builds a model from the config keys its __init__ signature names: ours are the base class's plus the skip's
+_base_sig = inspect.signature(UNet2DConditionModel.__init__)
+ConditionSkipUNet.__init__.__signature__ = _base_sig.replace(parameters=[
+    *_base_sig.parameters.values(), *[p for p in inspect.signature(ConditionSkipUNet.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]])
 
 # %% ../../nbs/04d_upsampler.ipynb #2f04b89d
 class GlideUpsampler(GlideDiffusion):
@@ -216,6 +275,7 @@ def save_pretrained(self:GlideUpsampler, save_directory:str|Path, sampler:str='d
                               watermarker=None, requires_safety_checker=False).save_pretrained(d)
     index = json.loads((d/'model_index.json').read_text())
     index['text_encoder'] = ['imagegen.diffusion.glide', 'GlideTextModel']
+    if isinstance(self.unet, ConditionSkipUNet): index['unet'] = ['imagegen.diffusion.upsampler', 'ConditionSkipUNet']
     (d/'model_index.json').write_text(json.dumps(index, indent=2))
     meta = dict(stage='upsample', uncond_p=self.uncond_p, sample_prompts=self.sample_prompts, noise_aug_max=self.noise_aug_max,
                 noise_level=self.noise_level, low_res=self.low_res, config=self.config.to_dict() if self.config else None,
@@ -229,7 +289,8 @@ def from_pretrained(cls:GlideUpsampler, path:str|Path, train_text_encoder:bool|N
     p = Path(path)
     if p.exists() and not (p/'image_noising_scheduler').is_dir():
         raise ValueError(f"{p} is not an upsampler folder (no image_noising_scheduler/): a base model loads with GlideDiffusion.from_pretrained.")
-    unet, te, sched, meta, cfg = _load_glide_parts(path, UpsamplerConfig, train_text_encoder, cache_dir, revision)
+    unet, te, sched, meta, cfg = _load_glide_parts(path, UpsamplerConfig, train_text_encoder, cache_dir, revision,
+                                                   unet_classes=(UNet2DConditionModel, ConditionSkipUNet))
     noising = DDPMScheduler.from_pretrained(str(path), subfolder='image_noising_scheduler', cache_dir=cache_dir, revision=revision)
     return cls(unet, te, sched, noising, meta.get('uncond_p', 0.0), cfg, meta.get('sample_prompts'),
                meta.get('noise_aug_max', 250), meta.get('noise_level', 100), meta.get('low_res'))
