@@ -11,7 +11,7 @@ SMALL = ['--block_out_channels', '32,32', '--attention_levels', 'false,true', '-
 BASE_ARGS = ['--dataset', 'shapes:n=32', '--resolution', 16, '--max_steps', 4, '--batch_size', 4, '--checkpoint_every', 2,
              '--report_to', 'none', *SMALL]
 UP_ARGS = ['--stage', 'upsample', '--dataset', 'shapes:n=32', '--resolution', 32, '--low_res', 16, '--max_steps', 2, '--batch_size', 2,
-           '--report_to', 'none', *SMALL]
+           '--report_to', 'none', '--condition_skip_std', 0.05, '--prediction_type', 'v_prediction', *SMALL]   # the main recipe's UNet
 
 
 @pytest.fixture(scope='module')
@@ -35,13 +35,14 @@ def test_two_ranks_stay_identical(glide2):
 
 
 def test_folders_load_in_the_if_pipelines(glide2):
-    import imagegen.diffusion.glide   # noqa: F401  (diffusers finds GlideTextModel through it)
+    import imagegen.diffusion.glide, imagegen.diffusion.upsampler   # noqa: F401  (diffusers finds GlideTextModel and ConditionSkipUNet through them)
     from diffusers import IFPipeline, IFSuperResolutionPipeline
     d, _ = glide2
     base = IFPipeline.from_pretrained(d/'run'/'model')
     img = base(prompt='a red circle', num_inference_steps=2, output_type='pt', clean_caption=False).images
     assert img.shape == (1, 3, 16, 16)
     up = IFSuperResolutionPipeline.from_pretrained(d/'up'/'model')
+    assert type(up.unet).__name__ == 'ConditionSkipUNet' and up.unet.config.condition_skip_std == 0.05
     big = up(prompt='a red circle', image=img.clamp(-1, 1), num_inference_steps=2, output_type='pt', clean_caption=False).images
     assert big.shape == (1, 3, 32, 32)
 
