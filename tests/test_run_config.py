@@ -86,9 +86,9 @@ def test_example_configs_resolve(path):
     if stage:   # the measured upsampler recipe (README): 64 px crops, the condition skip, little augmentation, none at sampling
         m = run_['model']
         assert type(m).__name__ == 'UpsamplerConfig' and (m.train_crop, m.condition_skip_std, m.noise_aug_max, m.noise_level, run_['train'].max_steps) == (64, 0.05, 50, 0, 400)
-    if path.stem == 'main_glide':   # the measured base recipe (README): text-only attention, heads of 8 channels, schedule shifted by 3, one text layer
+    if path.stem == 'main_glide':   # the measured base recipe (README): text-only attention, heads of 8 channels, schedule shifted by 3, no text layer
         m = run_['model']
-        assert (m.attention_head_dim, m.only_cross_attention, m.pooled_text, m.prediction_type, m.schedule_shift, m.text_layers, run_['train'].max_steps) == (8, True, True, 'v_prediction', 3.0, 1, 1500)
+        assert (m.attention_head_dim, m.only_cross_attention, m.pooled_text, m.prediction_type, m.schedule_shift, m.text_layers, run_['train'].max_steps) == (8, True, True, 'v_prediction', 3.0, 0, 1500)
 
 
 def test_main_job_config_is_the_main_recipe():

@@ -88,7 +88,7 @@ class GlideConfig(Config):
     pretrained_model_name_or_path:str|None = None  # a folder written by GlideDiffusion.save_pretrained to start from
     tokenizer:str = 'tiny'               # 'tiny' (BPE trained on the captions) or a tokenizer folder/Hub id (GLIDE: GPT-2's)
     text_width:int = 64                  # text transformer width (GLIDE: 512)
-    text_layers:int = 2                  # (GLIDE: 16)
+    text_layers:int = 2                  # (GLIDE: 16); 0: token + position embeddings and the final norm, each token's state its own
     text_heads:int = 4                   # (GLIDE: 8)
     text_ctx:int = 32                    # tokens the text transformer reads (GLIDE: 128)
     text_vocab_size:int = 1000           # the tiny tokenizer's vocabulary (a named tokenizer brings its own)
@@ -120,7 +120,8 @@ class GlideConfig(Config):
         if len(self.block_out_channels) != len(self.attention_levels):
             raise ConfigError(f"GlideConfig: block_out_channels {self.block_out_channels} and attention_levels {self.attention_levels} need one entry per resolution level each.")
         if self.resolution % 2 ** (len(self.block_out_channels) - 1): bad('resolution', f"must be divisible by {2 ** (len(self.block_out_channels) - 1)} (one halving per extra level).")
-        for f in ('text_width', 'text_layers', 'text_heads', 'text_ctx', 'layers_per_block', 'attention_head_dim', 'num_train_timesteps', 'resolution'):
+        if self.text_layers < 0: bad('text_layers', "must be >= 0 (0: embeddings only, no transformer layer).")
+        for f in ('text_width', 'text_heads', 'text_ctx', 'layers_per_block', 'attention_head_dim', 'num_train_timesteps', 'resolution'):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
         if self.text_width % self.text_heads: bad('text_width', f"must be divisible by text_heads={self.text_heads}.")
         if any(c % self.attention_head_dim for c, a in zip(self.block_out_channels, self.attention_levels) if a):
