@@ -4,7 +4,7 @@
 
 # %% ../../nbs/04d_upsampler.ipynb #d0a1a0e6
 from __future__ import annotations
-import inspect, json, math
+import functools, inspect, json, math
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -21,8 +21,8 @@ from .sampling import make_scheduler, sample_latents
 from ..text import TextEncoder
 
 # %% auto #0
-__all__ = ['UpsamplerConfig', 'build_upsampler_unet', 'build_noising_scheduler', 'ConditionSkipUNet', 'GlideUpsampler',
-           'sample_cascade', 'upsampler_report']
+__all__ = ['UpsamplerConfig', 'build_upsampler_unet', 'build_noising_scheduler', 'ConditionSkipUNet', 'realign_matrix',
+           'GlideUpsampler', 'sample_cascade', 'upsampler_report']
 
 # %% ../../nbs/04d_upsampler.ipynb #521078d9
 @dataclass
@@ -38,6 +38,7 @@ class UpsamplerConfig(GlideConfig):
     noise_level:int = 100                # sampling: augmentation level of the low-resolution input (IF's default: 250)
     train_crop:int|None = None           # train on random crops of this size of the high-resolution images (None: whole images)
     condition_skip_std:float|None = None  # the UNet adds its output to the best linear estimate from the condition, whose error std this is (ConditionSkipUNet); None: GLIDE's plain UNet
+    condition_realign:bool = True         # with condition_skip_std: the UNet turns IF's bilinear upsampling (corners aligned) of its input into bicubic on pixel centres
 
     presets = {
         'tiny': dict(),
@@ -53,6 +54,9 @@ class UpsamplerConfig(GlideConfig):
             if not 0 <= getattr(self, f) < self.num_train_timesteps: raise ConfigError(f"UpsamplerConfig.{f}={getattr(self, f)}: must be in [0, {self.num_train_timesteps}).")
         if self.condition_skip_std is not None and not self.condition_skip_std > 0:
             raise ConfigError(f"UpsamplerConfig.condition_skip_std={self.condition_skip_std}: must be > 0 (0.05-0.1 on Shapes), or None for GLIDE's plain UNet.")
+        if self.condition_skip_std is not None and self.condition_realign and self.resolution % self.low_res:
+            raise ConfigError(f"UpsamplerConfig.condition_realign needs resolution={self.resolution} to be a multiple of low_res={self.low_res}; "
+                              "set condition_realign: false for other ratios.")
         if self.train_crop is not None:
             step = math.lcm(self.resolution // self.low_res, 2 ** (len(self.block_out_channels) - 1))
             if self.resolution % self.low_res or not 0 < self.train_crop <= self.resolution or self.train_crop % step:
@@ -67,6 +71,7 @@ def build_upsampler_unet(cfg:UpsamplerConfig, **overrides) -> UNet2DConditionMod
     keys = ('num_train_timesteps', 'beta_start', 'beta_end', 'beta_schedule', 'trained_betas')
     train, noising = build_glide_scheduler(cfg).config, build_noising_scheduler(cfg.num_train_timesteps).config
     skip = dict(condition_skip_std=cfg.condition_skip_std, skip_prediction_type=cfg.prediction_type,
+                condition_scale=cfg.resolution // cfg.low_res if cfg.condition_realign else None,
                 skip_schedule={k: train[k] for k in keys}, skip_noising_schedule={k: noising[k] for k in keys})
     unet = build_glide_unet(cfg, in_channels=6, unet_class=ConditionSkipUNet, **{**skip, **overrides})
     nn.init.zeros_(unet.conv_out.weight); nn.init.zeros_(unet.conv_out.bias)   # untrained, it predicts the skip's estimate (ADM zero-initialises this layer too)
@@ -80,7 +85,7 @@ def build_noising_scheduler(num_train_timesteps:int=1000) -> DDPMScheduler:
 class ConditionSkipUNet(UNet2DConditionModel):
     "A super-resolution `UNet2DConditionModel` whose output is added to the prediction of the best linear estimate of the image from its condition."
     def __init__(self, *args, condition_skip_std:float=0.1, skip_schedule:dict|None=None, skip_noising_schedule:dict|None=None,
-                 skip_prediction_type:str='v_prediction', **kwargs):
+                 skip_prediction_type:str='v_prediction', condition_scale:int|None=None, **kwargs):
         super().__init__(*args, **kwargs)
         if not condition_skip_std > 0: raise ValueError(f"ConditionSkipUNet: condition_skip_std={condition_skip_std} must be > 0 (0.05-0.1 on Shapes).")
         if skip_prediction_type not in ('epsilon', 'v_prediction'):
@@ -88,14 +93,23 @@ class ConditionSkipUNet(UNet2DConditionModel):
         c = self.config.in_channels // 2
         if self.config.in_channels % 2 or self.config.out_channels not in (c, 2 * c):
             raise ValueError(f"ConditionSkipUNet reads (noisy image, condition) of equal channel counts: in_channels={self.config.in_channels}, out_channels={self.config.out_channels}.")
+        if condition_scale is not None and not (isinstance(condition_scale, int) and condition_scale >= 1):
+            raise ValueError(f"ConditionSkipUNet: condition_scale={condition_scale!r} must be the upsampling factor (an integer >= 1), or None.")
         self.register_to_config(condition_skip_std=condition_skip_std, skip_schedule=skip_schedule,
-                                skip_noising_schedule=skip_noising_schedule, skip_prediction_type=skip_prediction_type)
+                                skip_noising_schedule=skip_noising_schedule, skip_prediction_type=skip_prediction_type,
+                                condition_scale=condition_scale)
         noising = skip_noising_schedule or dict(build_noising_scheduler().config)
         self.register_buffer('skip_alphas_cumprod', DDPMScheduler.from_config(skip_schedule or {}).alphas_cumprod.float(), persistent=False)
         self.register_buffer('skip_noising_alphas_cumprod', DDPMScheduler.from_config(noising).alphas_cumprod.float(), persistent=False)
 
+    def realign(self, cond:torch.Tensor) -> torch.Tensor:
+        "The condition as bicubic (pixel centres) upsampling of the low-resolution image, from IF's bilinear one (corners aligned); as is without `condition_scale`."
+        if self.config.condition_scale is None: return cond
+        mh, mw = (realign_matrix(n, self.config.condition_scale).to(cond.device, torch.float32) for n in cond.shape[-2:])
+        return torch.einsum('ij,bcjk,lk->bcil', mh, cond.float(), mw).to(cond.dtype)
+
     def skip(self, sample:torch.Tensor, timestep, class_labels=None) -> torch.Tensor:
-        "The ε or v of the linear estimate x̂₀ from `sample` = (noisy image, condition) at `timestep`, the condition noised to level `class_labels`."
+        "The ε or v of the linear estimate x̂₀ from `sample` = (noisy image, realigned condition) at `timestep`, the condition noised to level `class_labels`."
         c = self.config.in_channels // 2
         x, cond = sample[:, :c].float(), sample[:, c:].float()
         t = torch.as_tensor(timestep, device=sample.device).float().reshape(-1).expand(len(sample))
@@ -107,16 +121,30 @@ class ConditionSkipUNet(UNet2DConditionModel):
         if class_labels is not None:                                                           # the condition's augmentation noise
             aug = self.skip_noising_alphas_cumprod.to(sample.device)
             aug = aug[torch.as_tensor(class_labels, device=sample.device).long().reshape(-1).expand(len(sample)).clamp(0, len(aug) - 1)].view(-1, 1, 1, 1)
-            cond, p = cond / aug.sqrt(), p + (1 - aug) / aug
+            gain = 1.0                                                                         # the noise's variance after `realign`, per pixel
+            if self.config.condition_scale is not None:
+                gh, gw = (realign_matrix(n, self.config.condition_scale).pow(2).sum(1).to(sample.device, torch.float32) for n in cond.shape[-2:])
+                gain = torch.outer(gh, gw)
+            cond, p = cond / aug.sqrt(), p + gain * (1 - aug) / aug
         d = s2 + p * abar
         if self.config.skip_prediction_type == 'epsilon': return s2.sqrt() * (x - a * cond) / d
         return s2.sqrt() * (a * (1 - p) * x - cond) / d
 
     def forward(self, sample, timestep, encoder_hidden_states, class_labels=None, *args, return_dict:bool=True, **kwargs):
-        out = super().forward(sample, timestep, encoder_hidden_states, class_labels, *args, return_dict=False, **kwargs)[0]
         c = self.config.in_channels // 2
+        sample = torch.cat([sample[:, :c], self.realign(sample[:, c:])], dim=1)
+        out = super().forward(sample, timestep, encoder_hidden_states, class_labels, *args, return_dict=False, **kwargs)[0]
         out = torch.cat([out[:, :c] + self.skip(sample, timestep, class_labels).to(out.dtype), out[:, c:]], dim=1)
         return UNet2DConditionOutput(sample=out) if return_dict else (out,)
+
+@functools.lru_cache(maxsize=32)
+def realign_matrix(size:int, scale:int) -> torch.Tensor:
+    "(size, size): IF's bilinear upsampling by `scale` (corners aligned) undone by least squares, then bicubic upsampling on pixel centres."
+    if size % scale: raise ValueError(f"realign_matrix: size={size} is not a multiple of the scale factor {scale}.")
+    n = size // scale
+    basis = torch.eye(n, dtype=torch.float64).view(n, 1, n, 1).expand(n, 1, n, 4)          # one low-resolution column per unit vector
+    up = lambda **kw: F.interpolate(basis, (size, 4), **kw)[:, 0, :, 0].T                  # (size, n): the 1-D upsampling operator
+    return up(mode='bicubic', align_corners=False) @ torch.linalg.pinv(up(mode='bilinear', align_corners=True))
 
 # diffusers builds a model from the config keys its __init__ signature names: ours are the base class's plus the skip's
 _base_sig = inspect.signature(UNet2DConditionModel.__init__)
