@@ -38,6 +38,7 @@ class UpsamplerConfig(GlideConfig):
     noise_level:int = 100                # sampling: augmentation level of the low-resolution input (IF's default: 250)
     train_crop:int|None = None           # train on random crops of this size of the high-resolution images (None: whole images)
     condition_skip_std:float|None = None  # the UNet adds its output to the best linear estimate from the condition, whose error std this is (ConditionSkipUNet); None: GLIDE's plain UNet
+    condition_skip_flat_std:float|None = None  # with condition_skip_std: the error std assumed where the condition is flat (None: condition_skip_std everywhere)
     condition_realign:bool = True         # with condition_skip_std: the UNet turns IF's bilinear upsampling (corners aligned) of its input into bicubic on pixel centres
 
     presets = {
@@ -54,6 +55,8 @@ class UpsamplerConfig(GlideConfig):
             if not 0 <= getattr(self, f) < self.num_train_timesteps: raise ConfigError(f"UpsamplerConfig.{f}={getattr(self, f)}: must be in [0, {self.num_train_timesteps}).")
         if self.condition_skip_std is not None and not self.condition_skip_std > 0:
             raise ConfigError(f"UpsamplerConfig.condition_skip_std={self.condition_skip_std}: must be > 0 (0.05-0.1 on Shapes), or None for GLIDE's plain UNet.")
+        if self.condition_skip_flat_std is not None and not 0 < self.condition_skip_flat_std <= (self.condition_skip_std or 0):
+            raise ConfigError(f"UpsamplerConfig.condition_skip_flat_std={self.condition_skip_flat_std}: must be in (0, condition_skip_std={self.condition_skip_std}].")
         if self.condition_skip_std is not None and self.condition_realign and self.resolution % self.low_res:
             raise ConfigError(f"UpsamplerConfig.condition_realign needs resolution={self.resolution} to be a multiple of low_res={self.low_res}; "
                               "set condition_realign: false for other ratios.")
@@ -71,7 +74,7 @@ def build_upsampler_unet(cfg:UpsamplerConfig, **overrides) -> UNet2DConditionMod
     keys = ('num_train_timesteps', 'beta_start', 'beta_end', 'beta_schedule', 'trained_betas')
     train, noising = build_glide_scheduler(cfg).config, build_noising_scheduler(cfg.num_train_timesteps).config
     skip = dict(condition_skip_std=cfg.condition_skip_std, skip_prediction_type=cfg.prediction_type,
-                condition_scale=cfg.resolution // cfg.low_res if cfg.condition_realign else None,
+                condition_scale=cfg.resolution // cfg.low_res if cfg.condition_realign else None, condition_skip_flat_std=cfg.condition_skip_flat_std,
                 skip_schedule={k: train[k] for k in keys}, skip_noising_schedule={k: noising[k] for k in keys})
     unet = build_glide_unet(cfg, in_channels=6, unet_class=ConditionSkipUNet, **{**skip, **overrides})
     nn.init.zeros_(unet.conv_out.weight); nn.init.zeros_(unet.conv_out.bias)   # untrained, it predicts the skip's estimate (ADM zero-initialises this layer too)
@@ -85,7 +88,8 @@ def build_noising_scheduler(num_train_timesteps:int=1000) -> DDPMScheduler:
 class ConditionSkipUNet(UNet2DConditionModel):
     "A super-resolution `UNet2DConditionModel` whose output is added to the prediction of the best linear estimate of the image from its condition."
     def __init__(self, *args, condition_skip_std:float=0.1, skip_schedule:dict|None=None, skip_noising_schedule:dict|None=None,
-                 skip_prediction_type:str='v_prediction', condition_scale:int|None=None, **kwargs):
+                 skip_prediction_type:str='v_prediction', condition_scale:int|None=None,
+                 condition_skip_flat_std:float|None=None, **kwargs):
         super().__init__(*args, **kwargs)
         if not condition_skip_std > 0: raise ValueError(f"ConditionSkipUNet: condition_skip_std={condition_skip_std} must be > 0 (0.05-0.1 on Shapes).")
         if skip_prediction_type not in ('epsilon', 'v_prediction'):
@@ -97,7 +101,7 @@ class ConditionSkipUNet(UNet2DConditionModel):
             raise ValueError(f"ConditionSkipUNet: condition_scale={condition_scale!r} must be the upsampling factor (an integer >= 1), or None.")
         self.register_to_config(condition_skip_std=condition_skip_std, skip_schedule=skip_schedule,
                                 skip_noising_schedule=skip_noising_schedule, skip_prediction_type=skip_prediction_type,
-                                condition_scale=condition_scale)
+                                condition_scale=condition_scale, condition_skip_flat_std=condition_skip_flat_std)
         noising = skip_noising_schedule or dict(build_noising_scheduler().config)
         self.register_buffer('skip_alphas_cumprod', DDPMScheduler.from_config(skip_schedule or {}).alphas_cumprod.float(), persistent=False)
         self.register_buffer('skip_noising_alphas_cumprod', DDPMScheduler.from_config(noising).alphas_cumprod.float(), persistent=False)
@@ -107,6 +111,14 @@ class ConditionSkipUNet(UNet2DConditionModel):
         if self.config.condition_scale is None: return cond
         mh, mw = (realign_matrix(n, self.config.condition_scale).to(cond.device, torch.float32) for n in cond.shape[-2:])
         return torch.einsum('ij,bcjk,lk->bcil', mh, cond.float(), mw).to(cond.dtype)
+
+    def detail(self, cond:torch.Tensor) -> torch.Tensor:
+        "(B, 1, H, W) in [0, 1]: 1 within two low-resolution pixels of an edge of the condition (a local range of 0.25 or more), 0 where it is flat."
+        k = self.config.condition_scale or 4
+        smooth = F.avg_pool2d(F.pad(cond.float(), (k // 2, (k - 1) // 2) * 2, mode='replicate'), k, 1)   # augmentation noise averaged out
+        r = 2 * k                                                                              # bicubic's overshoot reaches two low-res pixels
+        rng = F.max_pool2d(smooth, 2 * r + 1, 1, r) + F.max_pool2d(-smooth, 2 * r + 1, 1, r)
+        return (rng.amax(1, keepdim=True) / 0.25).clamp(0, 1)
 
     def skip(self, sample:torch.Tensor, timestep, class_labels=None) -> torch.Tensor:
         "The ε or v of the linear estimate x̂₀ from `sample` = (noisy image, realigned condition) at `timestep`, the condition noised to level `class_labels`."
@@ -118,6 +130,9 @@ class ConditionSkipUNet(UNet2DConditionModel):
         abar = (ac[lo] * (1 - w) + ac[(lo + 1).clamp(max=len(ac) - 1)] * w).view(-1, 1, 1, 1)
         a, s2 = abar.sqrt(), 1 - abar
         p = torch.full_like(a, self.config.condition_skip_std ** 2)
+        flat = self.config.get('condition_skip_flat_std')
+        if flat is not None:                                                                   # less error assumed away from the condition's edges
+            p = flat ** 2 + (p - flat ** 2) * self.detail(cond)
         if class_labels is not None:                                                           # the condition's augmentation noise
             aug = self.skip_noising_alphas_cumprod.to(sample.device)
             aug = aug[torch.as_tensor(class_labels, device=sample.device).long().reshape(-1).expand(len(sample)).clamp(0, len(aug) - 1)].view(-1, 1, 1, 1)
