@@ -85,10 +85,11 @@ def test_example_configs_resolve(path):
     if path.stem == 'main_edit_gpt': assert (run_['model'].token_noise, run_['train'].max_steps) == (0.85, 6000)   # the measured recipe (README)
     if stage:   # the measured upsampler recipe (README): 64 px crops, the condition skip, little augmentation, none at sampling
         m = run_['model']
-        assert type(m).__name__ == 'UpsamplerConfig' and (m.train_crop, m.condition_skip_std, m.noise_aug_max, m.noise_level, run_['train'].max_steps) == (64, 0.05, 50, 0, 400)
+        assert type(m).__name__ == 'UpsamplerConfig' and (m.train_crop, m.condition_skip_std, m.condition_skip_flat_std, m.condition_realign,
+                                                            m.noise_aug_max, m.noise_level, run_['train'].max_steps) == (64, 0.05, 0.01, True, 50, 0, 800)
     if path.stem == 'main_glide':   # the measured base recipe (README): text-only attention, heads of 8 channels, schedule shifted by 3, no text layer
         m = run_['model']
-        assert (m.attention_head_dim, m.only_cross_attention, m.pooled_text, m.prediction_type, m.schedule_shift, m.text_layers, run_['train'].max_steps) == (8, True, True, 'v_prediction', 3.0, 0, 1500)
+        assert (m.attention_head_dim, m.only_cross_attention, m.pooled_text, m.prediction_type, m.schedule_shift, m.text_layers, run_['train'].max_steps) == (8, True, True, 'v_prediction', 3.0, 0, 1300)
 
 
 def test_main_job_config_is_the_main_recipe():
