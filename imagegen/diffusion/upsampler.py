@@ -99,6 +99,8 @@ class ConditionSkipUNet(UNet2DConditionModel):
             raise ValueError(f"ConditionSkipUNet reads (noisy image, condition) of equal channel counts: in_channels={self.config.in_channels}, out_channels={self.config.out_channels}.")
         if condition_scale is not None and not (isinstance(condition_scale, int) and condition_scale >= 1):
             raise ValueError(f"ConditionSkipUNet: condition_scale={condition_scale!r} must be the upsampling factor (an integer >= 1), or None.")
+        if condition_skip_flat_std is not None and not 0 < condition_skip_flat_std <= condition_skip_std:
+            raise ValueError(f"ConditionSkipUNet: condition_skip_flat_std={condition_skip_flat_std} must be in (0, condition_skip_std={condition_skip_std}], or None.")
         self.register_to_config(condition_skip_std=condition_skip_std, skip_schedule=skip_schedule,
                                 skip_noising_schedule=skip_noising_schedule, skip_prediction_type=skip_prediction_type,
                                 condition_scale=condition_scale, condition_skip_flat_std=condition_skip_flat_std)
@@ -130,7 +132,7 @@ class ConditionSkipUNet(UNet2DConditionModel):
         abar = (ac[lo] * (1 - w) + ac[(lo + 1).clamp(max=len(ac) - 1)] * w).view(-1, 1, 1, 1)
         a, s2 = abar.sqrt(), 1 - abar
         p = torch.full_like(a, self.config.condition_skip_std ** 2)
-        flat = self.config.get('condition_skip_flat_std')
+        flat = self.config.condition_skip_flat_std
         if flat is not None:                                                                   # less error assumed away from the condition's edges
             p = flat ** 2 + (p - flat ** 2) * self.detail(cond)
         if class_labels is not None:                                                           # the condition's augmentation noise
