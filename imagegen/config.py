@@ -214,7 +214,8 @@ def run_parser(defaults:dict[str, Config], flags:list[Flag]=(), description:str|
         if s not in defaults: raise ConfigError(f"flag target {target!r}: no section {s!r} (sections: {', '.join(defaults)}).")
         if f != 'preset' and f not in types_[s]: raise ConfigError(f"flag target {target!r}: {type(defaults[s]).__name__} has no field {f!r}.")
         if f == 'preset': return f"{s} preset: one of {', '.join(sorted(type(defaults[s]).presets))}", {'metavar': 'NAME'}
-        return f"{helps[s].get(f, f)} (default: {getattr(defaults[s], f)!r})", {'metavar': f.upper(), **_arg_kwargs(types_[s][f])}
+        text = f"{helps[s].get(f, f)} (default: {getattr(defaults[s], f)!r})".replace('%', '%%')   # argparse formats help with %
+        return text, {'metavar': f.upper(), **_arg_kwargs(types_[s][f])}
     taken = {'--config', '-h', '--help'}
     g = p.add_argument_group('common flags')
     for fl in flags:

@@ -135,17 +135,18 @@ def bench_mfu(preset:str='large', batch:int=16, steps:int=20, warmup:int=3, devi
     name = torch.cuda.get_device_name(device) if torch.device(device).type == 'cuda' else 'cpu'
     peak = peak_tflops * 1e12 if peak_tflops else peak_bf16_flops(name)
     images_s, flops = batch * steps / dt, train_flops_per_image(cfg, cfg.text_len)
-    return dict(device=name, preset=preset, parameters=model.num_parameters(), batch=batch, images_per_s=images_s,
+    return dict(device=name, preset=preset, parameters=model.num_parameters(), batch=batch, compile=compile,
+                residual='float32' if cfg.fp32_residual else str(dtype).removeprefix('torch.'), images_per_s=images_s,
                 tokens_per_s=images_s * cfg.n_positions, tflops=flops * images_s / 1e12, peak_tflops=(peak or 0) / 1e12,
                 mfu=flops * images_s / peak if peak else None)
 
 def mfu_table(r:dict) -> str:
     "Markdown table of a `bench_mfu` result."
     mfu = f"{100 * r['mfu']:.1f}%" if r['mfu'] is not None else 'unknown peak (pass --peak_tflops)'
-    head = ['device', 'preset', 'parameters', 'batch', 'tokens/s', 'achieved TFLOP/s', 'peak TFLOP/s', 'MFU']
-    row = [r['device'], r['preset'], f"{r['parameters']/1e6:.1f}M", r['batch'], f"{r['tokens_per_s']:.0f}",
-           f"{r['tflops']:.1f}", f"{r['peak_tflops']:.0f}", mfu]
-    return markdown_table(head, 'llrrrrrr', [row])
+    head = ['device', 'preset', 'parameters', 'batch', 'compile', 'residual', 'tokens/s', 'achieved TFLOP/s', 'peak TFLOP/s', 'MFU']
+    row = [r['device'], r['preset'], f"{r['parameters']/1e6:.1f}M", r['batch'], 'yes' if r['compile'] else 'no', r['residual'],
+           f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}", f"{r['peak_tflops']:.0f}", mfu]
+    return markdown_table(head, 'llrrllrrrr', [row])
 
 @call_parse
 def main(sections:str='generation,training,mfu', # which parts to run (mfu runs on CUDA, or anywhere with --peak_tflops)
@@ -173,6 +174,7 @@ def main(sections:str='generation,training,mfu', # which parts to run (mfu runs 
          mfu_steps:int=20, # mfu: timed steps
          peak_tflops:float=0.0, # mfu: peak bf16 TFLOP/s (0: from the GPU's name)
          compile:bool=False, # mfu: torch.compile the model
+         bf16_residual:bool=False, # mfu: residual stream in the autocast dtype (LatentGPTConfig.fp32_residual=False)
         ):
     "Print the latent GPT's generation, training and MFU tables."
     if threads: torch.set_num_threads(threads)
@@ -194,7 +196,7 @@ def main(sections:str='generation,training,mfu', # which parts to run (mfu runs 
             print("\nMFU: skipped (needs a CUDA device, or --peak_tflops)")
         else:
             out['mfu'] = bench_mfu(mfu_preset, mfu_batch, mfu_steps, device=device, peak_tflops=peak_tflops,
-                                   compile=compile)
+                                   compile=compile, fp32_residual=not bf16_residual)
             print("\nMFU, bf16 autocast; FLOPs/image = 6*(N*P_tok + L_t*P_text) + 12*n_layer*n_embd*N*(N + L_t), "
                   "P_tok = n_layer*(6d^2 + 2*d*d_mlp) + d*V, P_text = D*d + n_layer*2d^2:\n" + mfu_table(out['mfu']))
     return out

@@ -37,6 +37,7 @@ def test_one_script_help_in_its_own_process():
     "The same check as a user types it, once: a fresh interpreter, the script's path, --help."
     p = run([sys.executable, str(ROOT/'scripts'/'train_ldm.py'), '--help'])
     assert p.stdout.startswith('usage: train_ldm.py') and '--learning_rate' in p.stdout, p.stdout
+    assert 'less memory, ~30% slower (default: False)' in ' '.join(p.stdout.split()) and 'option_strings' not in p.stdout, p.stdout   # a '%' in a field's help
 
 def test_diagnose_json():
     r = json.loads(run([str(BIN/'imagegen-diagnose'), '--json']).stdout)

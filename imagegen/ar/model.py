@@ -45,6 +45,7 @@ class LatentGPTConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False     # share the token embedding with the output head
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-5
+    fp32_residual: bool = True            # under autocast, keep the residual stream in float32 (False: in the autocast dtype, as Megatron-LM)
 
     def __post_init__(self, **kwargs):
         g = self.token_grid
@@ -348,6 +349,7 @@ def _forward(self:LatentGPT, input_ids, encoder_hidden_states, cond_mask, encode
     x = self.embed(input_ids, past_len, B)                                                     # (B, T', C)
     if slots is not None: x = x + slots[:, past_len:past_len + x.shape[1]].to(x.dtype)
     x = self.drop(x)
+    if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
     for block in self.blocks: x = block(x, text, text_mask=text_mask, past_key_values=cache, past_len=past_len)
     logits = self.lm_head(self.ln_f(x))                                                         # (B, T', V)
     loss = None

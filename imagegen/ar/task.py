@@ -45,6 +45,7 @@ class GPTConfig(Config):
     pos_embedding:str = '2d'             # '2d' (row + column) or 'learned' (one per position)
     dropout:float = 0.0
     token_noise:float = 0.0              # training: share of input tokens replaced by random codes (targets stay clean)
+    fp32_residual:bool = True            # under bf16/fp16 autocast keep the residual stream in float32 (False: autocast dtype, faster on GPUs)
     guidance_scale:float = 3.0           # default CFG scale for samples (1 = off)
     temperature:float = 1.0              # default sampling temperature
     top_k:int|None = None                # default top-k (None: off)
@@ -131,7 +132,7 @@ def gpt_config(cfg:GPTConfig, tokenizer:VQTokenizer, text_encoder:TextEncoder) -
     "The transformer's config for `cfg`'s shape, the tokenizer's codebook and grid and the text encoder's width and context."
     return LatentGPTConfig(vocab_size=tokenizer.vocab_size, token_grid=tokenizer.token_grid(cfg.resolution), n_layer=cfg.n_layer,
                            n_embd=cfg.n_embd, n_head=cfg.n_head, text_dim=text_encoder.hidden_size, text_len=text_encoder.max_length,
-                           pos_embedding=cfg.pos_embedding, dropout=cfg.dropout)
+                           pos_embedding=cfg.pos_embedding, dropout=cfg.dropout, fp32_residual=cfg.fp32_residual)
 
 @patch(cls_method=True)
 def from_config(cls:TextToImageGPT, cfg:GPTConfig|str='tiny', corpus:list[str]|None=None, tokenizer:VQTokenizer|None=None,

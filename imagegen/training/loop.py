@@ -219,6 +219,8 @@ class Trainer:
 @patch
 def _setup(self:Trainer, dataloader):
     cfg, acc, model = self.cfg, self.acc, self.task.trainable
+    # `acc.prepare` moves only `trainable`: the task's frozen parts (autoencoder, text encoder) go to the device with it
+    if callable(getattr(self.task, 'to', None)): self.task.to(acc.device)
     low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
     if low: raise ConfigError(f"trainable parameters must be float32 (mixed precision autocasts), found {low[:3]} in another dtype: build the model in float32.")
     if cfg.gradient_checkpointing:
