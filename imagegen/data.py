@@ -22,7 +22,7 @@ __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 
            'caption_members', 'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample',
            'dist_info', 'ShardSource', 'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator',
            'make_dataloader', 'DataConfig', 'is_shapes', 'shapes_prompts', 'collect_captions', 'EncodedDataset',
-           'encode_dataset']
+           'encode_dataset', 'weights_digest', 'DiskEncodedDataset', 'encode_dataset_cached']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -587,6 +587,7 @@ class DataConfig(Config):
     max_bad_frac: float = 0.05       # abort when more than this fraction of samples cannot be read (bad ones are skipped and counted)
     epoch_size: int|None = None      # WebDataset shards: samples per epoch of the resampled stream (default: one pass of the shards)
     shuffle_buffer: int = 1000       # WebDataset shards: shuffle buffer per reader
+    encoded_cache: str|None = None   # folder of the on-disk latent/token cache, shared by ranks and runs (None: OUTPUT_DIR/encoded)
 
     presets = {'default': {}, 'shapes': {}}
 
@@ -603,6 +604,13 @@ class DataConfig(Config):
                             flip_p=0.5 if self.random_flip else 0., cache_dir=self.cache_dir, image_column=self.image_column,
                             caption_column=self.caption_column, max_bad_frac=self.max_bad_frac, epoch_size=self.epoch_size,
                             shuffle_buffer=self.shuffle_buffer, **kwargs)
+
+    def fingerprint(self, resolution:int) -> dict:
+        "What decides the images a run reads (for `encode_dataset_cached`): source, split, columns, crop, flip, resolution; a local source's mtime."
+        src = Path(str(self.dataset))
+        return dict(dataset=str(self.dataset), split=self.split, image_column=self.image_column, caption_column=self.caption_column,
+                    center_crop=self.center_crop, random_flip=self.random_flip, resolution=resolution,
+                    source_mtime=src.stat().st_mtime_ns if src.exists() else None)
 
     def make_dataloader(self, batch_size:int, resolution:int, dataset=None, **kwargs) -> DataLoader:
         "Batches of `dataset` (default: `self.make_dataset(resolution)`) with this section's dropout and workers."
@@ -688,3 +696,103 @@ def encode_dataset(encode, dataset, batch_size:int=256, progress:bool=True, desc
         for s in samples: caps.append(s['captions']); scenes.append(s.get('scene')); keys.append(s.get('key'))
     if not caps: raise ValueError("encode_dataset: the dataset is empty.")
     return EncodedDataset({k: torch.cat(v) for k, v in parts.items()}, caps, scenes, keys)
+
+# %% ../nbs/01a_data.ipynb #a3c1e7d1
+def weights_digest(module:torch.nn.Module) -> str:
+    "SHA-1 of a module's parameters and buffers (names, shapes, dtypes and bytes): which weights encoded a cache."
+    import hashlib
+    h = hashlib.sha1()
+    for name, t in sorted({**dict(module.named_parameters()), **dict(module.named_buffers())}.items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f'{name}{tuple(t.shape)}{t.dtype}'.encode()); h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+class DiskEncodedDataset(Dataset):
+    "The loader samples of a finished `encode_dataset_cached` folder: tensors memory-mapped from `.npy` files, captions in memory."
+    def __init__(self, path:str|Path):
+        self.path = Path(path)
+        if not (self.path/'meta.json').exists():
+            raise FileNotFoundError(f"{self.path/'meta.json'} missing: {self.path} is no finished encoded-dataset folder; delete it and encode again.")
+        self.meta = json.loads((self.path/'meta.json').read_text())
+        self.captions, self.scenes, self.keys, self.offsets = [], [], [], [0]
+        for part in self.meta['parts']:
+            info = json.loads((self.path/f'{part}.json').read_text())
+            for k in self.meta['tensors']:
+                if not (f := self.path/f'{part}.{k}.npy').exists():
+                    raise FileNotFoundError(f"{f} missing from the encoded-dataset folder {self.path}: delete the folder and encode again.")
+            self.captions += info['captions']; self.scenes += info['scenes']; self.keys += info['keys']
+            self.offsets.append(self.offsets[-1] + info['n'])
+        if self.offsets[-1] != self.meta['samples']:
+            raise ValueError(f"{self.path}: its parts hold {self.offsets[-1]} samples but meta.json says {self.meta['samples']}: delete it and encode again.")
+        self._arrays = None                          # opened lazily, once per process (DataLoader workers too)
+    def arrays(self) -> dict[str, list[np.ndarray]]:
+        if self._arrays is None:
+            self._arrays = {k: [np.load(self.path/f'{p}.{k}.npy', mmap_mode='r') for p in self.meta['parts']] for k in self.meta['tensors']}
+        return self._arrays
+    def __getstate__(self): return {**self.__dict__, '_arrays': None}
+    def __len__(self): return self.offsets[-1]
+    def __getitem__(self, i:int) -> dict:
+        import bisect
+        if not -len(self) <= i < len(self): raise IndexError(f"index {i} out of range for {len(self)} samples")
+        i %= len(self)
+        p = bisect.bisect_right(self.offsets, i) - 1; j = i - self.offsets[p]
+        return {**{k: torch.from_numpy(np.array(a[p][j])) for k, a in self.arrays().items()},
+                'captions': self.captions[i], 'scene': self.scenes[i], 'key': self.keys[i]}
+    def __repr__(self): return (f"DiskEncodedDataset({len(self)} samples in {self.path.name}: "
+                                + ', '.join(f'{k} {tuple(s)} {d}' for k, (s, d) in self.meta['tensors'].items()) + ')')
+
+def _encode_part(encode, dataset, folder:Path, part:str, batch_size:int, progress:bool, desc:str) -> dict:
+    "Encode `dataset` into `folder/part.NAME.npy` (one memory-mapped array per output) and `folder/part.json`."
+    from tqdm.auto import tqdm
+    arrays, caps, scenes, keys, i = {}, [], [], [], 0
+    for samples in tqdm(DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=lambda s: s), desc=desc, disable=not progress):
+        with torch.no_grad(): out = encode(torch.stack([s['pixel_values'] for s in samples]))
+        for k, v in out.items():
+            v = v.detach().cpu(); v = v.float() if v.dtype == torch.bfloat16 else v        # numpy has no bfloat16
+            if k not in arrays:
+                arrays[k] = np.lib.format.open_memmap(folder/f'{part}.{k}.npy', mode='w+', dtype=v.numpy().dtype, shape=(len(dataset), *v.shape[1:]))
+            arrays[k][i:i + len(v)] = v.numpy()
+        for s in samples: caps.append(s['captions']); scenes.append(s.get('scene')); keys.append(s.get('key'))
+        i += len(samples)
+    for a in arrays.values(): a.flush()
+    info = dict(n=i, tensors={k: [list(a.shape[1:]), str(a.dtype)] for k, a in arrays.items()}, captions=caps, scenes=scenes, keys=keys)
+    (folder/f'{part}.json').write_text(json.dumps(info))
+    return info
+
+def encode_dataset_cached(encode, dataset, cache_dir:str|Path, fingerprint:dict, accelerator=None, batch_size:int=256,
+                          progress:bool=True, desc:str='encoding') -> DiskEncodedDataset:
+    "`encode_dataset` through the folder `cache_dir/DESC-DIGEST`: each rank of `accelerator` encodes its share once; later runs read it."
+    import hashlib, shutil
+    from torch.utils.data import Subset
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("encode_dataset_cached needs a map-style dataset (Shapes, an image folder, a Hugging Face dataset); streamed "
+                        "WebDataset shards cannot be cached: train without caching.")
+    n = len(dataset)
+    if not n: raise ValueError("encode_dataset_cached: the dataset is empty.")
+    fp = json.loads(json.dumps({**fingerprint, 'samples': n}, sort_keys=True, default=str))
+    digest = hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    final = Path(cache_dir)/f"{re.sub(r'[^A-Za-z0-9]+', '-', desc).strip('-') or 'encoded'}-{digest}"
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    wait = accelerator.wait_for_everyone if accelerator is not None else (lambda: None)
+    if not (final/'meta.json').exists():
+        partial = final.with_name(final.name + '.partial')
+        if rank == 0: shutil.rmtree(partial, ignore_errors=True); partial.mkdir(parents=True)
+        wait()
+        share = range(rank * n // world, (rank + 1) * n // world)
+        _encode_part(encode, Subset(dataset, share), partial, f'part-{rank:05d}', batch_size, progress and rank == 0,
+                     f'{desc} (rank {rank} of {world})' if world > 1 else desc)
+        wait()
+        if rank == 0:
+            infos = {f'part-{r:05d}': json.loads((partial/f'part-{r:05d}.json').read_text()) for r in range(world)}
+            parts = [p for p, info in infos.items() if info['n']]
+            meta = dict(fingerprint=fp, samples=n, parts=parts, tensors=infos[parts[0]]['tensors'], desc=desc)
+            (partial/'meta.json').write_text(json.dumps(meta, indent=1))
+            try: os.rename(partial, final)
+            except OSError:                                   # another job sealed the same cache first: keep theirs
+                if not (final/'meta.json').exists(): raise
+                shutil.rmtree(partial, ignore_errors=True)
+        wait()
+    ds = DiskEncodedDataset(final)
+    if ds.meta['fingerprint'] != fp:
+        raise ValueError(f"{final} was encoded from {ds.meta['fingerprint']}, not {fp}: delete it and encode again.")
+    return ds

@@ -32,8 +32,9 @@ def train_gpt(tcfg:TrainConfig, cfg:GPTConfig, dcfg:GPTDataConfig) -> TextToImag
     corpus = collect_captions(dl, seed=tcfg.seed) if cfg.text_encoder == 'tiny' else None
     prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) else None  # --validation_prompts win (the loop sets them)
     model = TextToImageGPT.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
-    if dcfg.cache_tokens and not getattr(dl, 'self_sharded', False):  # every rank tokenizes the whole dataset once
-        ds = cache_tokens(model.tokenizer.to(acc.device), ds, progress=acc.is_local_main_process)
+    if dcfg.cache_tokens and not getattr(dl, 'self_sharded', False):  # the ranks split the tokenizing into an on-disk cache
+        ds = cache_tokens(model.tokenizer.to(acc.device), ds, progress=acc.is_local_main_process, accelerator=acc,
+                          cache_dir=dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', fingerprint=dcfg.fingerprint(cfg.resolution))
         dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution, dataset=ds)
     train(model, dl, tcfg, accelerator=acc, sections={'data': dcfg})  # the model section is model.config
     return model

@@ -23,8 +23,10 @@ def train_ldm(tcfg:TrainConfig, cfg:LDMConfig, dcfg:LDMDataConfig) -> LatentDiff
     corpus = collect_captions(dl, seed=tcfg.seed) if cfg.source('text_encoder')[0] == 'tiny' else None
     prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) else None  # --validation_prompts win (the loop sets them)
     model = LatentDiffusion.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
-    if dcfg.cache_latents:  # every rank encodes the whole dataset once (the loader then shards the cache as usual)
-        ds = cache_latents(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process, mode=dcfg.latent_mode)
+    if dcfg.cache_latents:  # the ranks split the encoding into an on-disk cache, then each reads all of it (the loader shards it)
+        ds = cache_latents(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process, mode=dcfg.latent_mode,
+                           cache_dir=dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', accelerator=acc,
+                           fingerprint=dcfg.fingerprint(cfg.resolution))
         dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution, dataset=ds)
     train(model, dl, tcfg, accelerator=acc, sections={'data': dcfg})  # the model section is model.config
     return model

@@ -240,3 +240,32 @@ def test_random_flip_keeps_captions_true(oracle):
         img = Image.fromarray(((s['pixel_values'].permute(1, 2, 0).numpy() + 1) * 127.5).round().astype(np.uint8))
         ok.append(oracle.score(img, s['scene'])['all'] and s['captions'] == captions(s['scene']))
     assert all(ok)
+
+
+def _cache_fn(out_dir, cache_dir):
+    "One rank: encode Shapes into the shared on-disk cache, recording how many images this rank encoded."
+    from accelerate import Accelerator
+    from imagegen.data import encode_dataset_cached
+    acc = Accelerator(cpu=True)
+    seen = []
+    def enc(x): seen.append(len(x)); return {'mean': x.mean(dim=(2, 3)), 'ids': (x[:, 0, :2, :2] > 0).long()}
+    ds = encode_dataset_cached(enc, make_dataset('shapes:n=21', 32), cache_dir, {'data': 'shapes:n=21'}, accelerator=acc,
+                               batch_size=4, progress=False, desc='latents')
+    Path(out_dir, f'rank{acc.process_index}.json').write_text(json.dumps(
+        {'encoded': sum(seen), 'path': str(ds.path), 'keys': ds.keys, 'mean': [ds[i]['mean'].tolist() for i in range(len(ds))]}))
+
+
+def test_on_disk_cache_split_across_two_ranks(tmp_path):
+    "Each rank encodes its own share once; both read the whole sealed folder, equal to one process's encoding."
+    from accelerate import debug_launcher
+    import functools
+    from imagegen.data import encode_dataset
+    debug_launcher(functools.partial(_cache_fn, str(tmp_path), str(tmp_path/'cache')), num_processes=2)
+    r = [json.loads((tmp_path/f'rank{i}.json').read_text()) for i in range(2)]
+    assert [x['encoded'] for x in r] == [10, 11]                      # 21 samples: 10 + 11, nobody encodes everything
+    assert r[0]['path'] == r[1]['path'] and r[0]['keys'] == r[1]['keys'] and r[0]['mean'] == r[1]['mean']
+    one = encode_dataset(lambda x: {'mean': x.mean(dim=(2, 3))}, make_dataset('shapes:n=21', 32), batch_size=4, progress=False)
+    assert r[0]['keys'] == one.keys and np.allclose(r[0]['mean'], one.tensors['mean'].numpy(), atol=1e-6)
+    assert [p.name for p in (tmp_path/'cache').iterdir()] == [Path(r[0]['path']).name]   # sealed: no *.partial left
+    debug_launcher(functools.partial(_cache_fn, str(tmp_path), str(tmp_path/'cache')), num_processes=2)
+    assert [json.loads((tmp_path/f'rank{i}.json').read_text())['encoded'] for i in range(2)] == [0, 0]   # a rerun reads it

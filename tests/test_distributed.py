@@ -97,6 +97,25 @@ def test_ldm_only_main_process_writes(ldm2):
     assert sorted(p.name for p in (out/'samples').iterdir()) == ['step_00000003.png', 'step_00000006.png']
 
 
+def test_ldm_latent_cache_split_across_ranks(shapes, tmp_path):
+    "--cache_latents on 2 ranks: each encodes its half into OUTPUT_DIR/encoded and trains on all of it; the resumed run reads it."
+    args = ['scripts/train_ldm.py', '--output_dir', tmp_path/'run', '--dataset', shapes/'imagefolder'/'train', '--tracker', 'none',
+            '--cache_latents', *LDM_ARGS]
+    launch(*args, '--max_steps', 2, probe=tmp_path/'first')
+    r0, r1 = rank_records(tmp_path/'first', 2)
+    (enc,) = (tmp_path/'run'/'encoded').iterdir()
+    meta = json.loads((enc/'meta.json').read_text())
+    assert enc.name.startswith('latents-') and (meta['samples'], meta['parts']) == (N_TRAIN, ['part-00000', 'part-00001'])
+    assert {Path(p).name for p in other_writes(r1)} == {'part-00001.json', 'part-00001.latent_mean.npy', 'part-00001.latent_std.npy'}
+    assert not any('part-00001' in p for _, p in r0['writes'])            # rank 0 encoded only its own half
+    assert_once(epoch_keys(r0, 0), epoch_keys(r1, 0))
+    launch(*args, '--max_steps', 4, probe=tmp_path/'resumed')
+    b0, b1 = rank_records(tmp_path/'resumed', 2)
+    assert b0['start_step'] == b1['start_step'] == 2 and other_writes(b1) == []   # nothing encoded again
+    assert [p.name for p in (tmp_path/'run'/'encoded').iterdir()] == [enc.name]
+    assert_once(*(epoch_keys(r, 0) for r in (r0, r1, b0, b1)), expected=all_keys(shapes/'imagefolder'/'train'))
+
+
 def test_checkpoints_move_between_two_ranks_and_one(ldm2, shapes, tmp_path):
     "The 2-rank run (steps 1-6) goes on in one process (7-8), then on 2 ranks again (9): each resumes where the last stopped."
     out, (r0, r1) = ldm2

@@ -39,7 +39,10 @@ def test_two_ranks_stay_identical(gpt2):
     assert r0['vocab'] == r1['vocab']                        # one tokenizer corpus on both ranks
     k0 = [k for b in r0['batches'] for k in b['keys']]; k1 = [k for b in r1['batches'] for k in b['keys']]
     assert not set(k0[:16]) & set(k1[:16])                   # the ranks read different samples of the first epoch
-    assert not [p for _, p in r1['writes'] if not Path(p).name.startswith('random_states_1')]   # rank 1 writes nothing else
+    own = lambda p: Path(p).name.startswith('random_states_1') or (Path(p).name.startswith('part-00001.')   # its share of the
+                                                                   and (run_dir/'encoded') in Path(p).parents)   # token cache
+    assert not [p for _, p in r1['writes'] if not own(p)]     # rank 1 writes nothing else
+    assert {Path(p).name for _, p in r1['writes'] if 'encoded' in p} == {'part-00001.tokens.npy', 'part-00001.json'}
     info = json.loads((run_dir/'model'/'run_info.json').read_text())
     assert (info['model_info']['codebook_size'], info['config']['train']['experiment']) == (64, 'latent-gpt-pretrained-vqvae')
 

@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from ..autoencoders.vq import VQTokenizer
 from .model import LatentGPT, LatentGPTConfig
 from ..config import Config, ConfigError
-from ..data import DataConfig, EncodedDataset, encode_dataset
+from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
 from ..grids import to_pil
 from ..text import TextEncoder, load_text_encoder
 from ..training.loop import make_optimizer
@@ -175,10 +175,14 @@ def loss(self:TextToImageGPT, model:nn.Module, batch:dict) -> dict:
     return {'loss': ce, 'ce_loss': ce.detach(), 'perplexity': ce.detach().exp(), 'token_accuracy': acc}
 
 # %% ../../nbs/05b_t2i.ipynb #541492f3
-def cache_tokens(tokenizer:VQTokenizer, dataset, batch_size:int=256, device=None, progress:bool=True) -> EncodedDataset:
-    "`{'tokens': (h, w) int64}` for every sample of a map-style loader dataset, tokenized once."
+def cache_tokens(tokenizer:VQTokenizer, dataset, batch_size:int=256, device=None, progress:bool=True, cache_dir=None,
+                 fingerprint:dict|None=None, accelerator=None) -> EncodedDataset:
+    "`{'tokens': (h, w) int64}` for every sample of a map-style loader dataset, tokenized once; with `cache_dir` on disk (see `cache_latents`)."
     device = device or next(tokenizer.parameters()).device
-    return encode_dataset(lambda x: {'tokens': tokenizer.encode(x.to(device))}, dataset, batch_size, progress, desc='tokenizing')
+    encode = lambda x: {'tokens': tokenizer.encode(x.to(device))}
+    if cache_dir is None: return encode_dataset(encode, dataset, batch_size, progress, desc='tokenizing')
+    fp = {**(fingerprint or {}), 'kind': 'tokens', 'encoder': weights_digest(tokenizer)}
+    return encode_dataset_cached(encode, dataset, cache_dir, fp, accelerator, batch_size, progress, desc='tokens')
 
 # %% ../../nbs/05b_t2i.ipynb #49332b3e
 @patch

@@ -19,7 +19,7 @@ from .sampling import make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder, load_text_encoder
 from ..config import Config, ConfigError
-from ..data import DataConfig, EncodedDataset, encode_dataset
+from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
 from ..training.loop import make_optimizer
 
 # %% auto #0
@@ -249,13 +249,16 @@ def loss(self:LatentDiffusion, model:nn.Module, batch:dict, generator:torch.Gene
 
 # %% ../../nbs/04b_ldm.ipynb #63b65623
 def cache_latents(autoencoder:ImageAutoencoder, dataset, batch_size:int=256, device=None, progress:bool=True,
-                  mode:bool=False) -> EncodedDataset:
-    "`{'latent_mean', 'latent_std'}` of every sample of a map-style loader dataset, encoded once; `mode`: the posterior mean only (std 0)."
+                  mode:bool=False, cache_dir=None, fingerprint:dict|None=None, accelerator=None) -> EncodedDataset:
+    "`{'latent_mean', 'latent_std'}` of every sample of a map-style loader dataset, encoded once; `mode`: the posterior mean only (std 0). "
+    "With `cache_dir`: on disk, each rank of `accelerator` encoding its share (`encode_dataset_cached`; `fingerprint`: the data's)."
     device = device or next(iter(autoencoder.parameters()), torch.empty(0)).device
     def encode(x):
         m, sd = autoencoder.encode_dist(x.to(device))
         return {'latent_mean': m, 'latent_std': torch.zeros_like(sd) if mode else sd}
-    return encode_dataset(encode, dataset, batch_size, progress, desc='caching latents')
+    if cache_dir is None: return encode_dataset(encode, dataset, batch_size, progress, desc='caching latents')
+    fp = {**(fingerprint or {}), 'kind': 'latents', 'mode': mode, 'encoder': weights_digest(autoencoder)}
+    return encode_dataset_cached(encode, dataset, cache_dir, fp, accelerator, batch_size, progress, desc='latents')
 
 # %% ../../nbs/04b_ldm.ipynb #bd7edd71
 @patch
