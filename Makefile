@@ -115,9 +115,11 @@ define TRAIN_glide
 	$(LAUNCH) scripts/train_glide.py --stage upsample --config scripts/configs/main_glide_upsampler.yaml --output_dir $(MAIN)/glide_upsampler \
 	  --train_data_dir $(MAIN)/shapes128/imagefolder/train $(if $(UP_STEPS),--max_train_steps $(UP_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/glide/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 3 \
-	  --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 8 --out $(MAIN)/glide-samples
+	  --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 8 --out $(MAIN)/glide-samples \
+	  --batch_size 16 --upsampler_batch_size 4
 	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples/base
-	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 8
+	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 8 \
+	  --upsampler_batch_size 4
 endef
 T2I_ldm := $(MAIN)/ldm/model
 T2I_gpt := $(MAIN)/gpt/model

@@ -54,7 +54,9 @@ def our_loop(steps:int, batch_size:int, resolution:int, mixed_precision:str='no'
                         save_model=False, log_every=10, mixed_precision=mixed_precision, resume=None, **cfg)
         return train(NoisePrediction(tiny_unet(resolution)), bench_data(steps*batch_size, batch_size, resolution), c)['images_per_s']
 
-VARIANTS = {'loop only (no clipping)': dict(max_grad_norm=None), 'default (clip 1.0)': {}, 'clip + EMA': dict(ema=True)}
+# AdamW as the bare loop's (unfused): the fused kernel is a fast path of its own, timed by `bench_fast_paths`
+VARIANTS = {'loop only (no clipping)': dict(max_grad_norm=None, fused_adamw=False), 'default (clip 1.0)': dict(fused_adamw=False),
+            'clip + EMA': dict(ema=True, fused_adamw=False)}
 
 def bench(steps:int=40, batch_size:int=8, resolution:int=32, mixed_precision:str='no', repeats:int=2) -> list[dict]:
     "Best-of-`repeats` images/s of the bare loop and of our loop in each variant, alternating runs."
@@ -67,9 +69,21 @@ def bench(steps:int=40, batch_size:int=8, resolution:int=32, mixed_precision:str
             best[name] = max(best.get(name, 0.0), ips)
     return [{'loop': k, 'images/s': v, 'ratio': v / best['bare']} for k, v in best.items()]
 
-def table(rows:list[dict]) -> str:
+FAST_PATHS = {'fused AdamW': dict(fused_adamw=True), 'channels_last': dict(channels_last=True),
+              'fused AdamW + channels_last': dict(fused_adamw=True, channels_last=True), 'TF32': dict(allow_tf32=True),
+              'gradient checkpointing': dict(gradient_checkpointing=True)}
+
+def bench_fast_paths(steps:int=40, batch_size:int=8, resolution:int=32, mixed_precision:str='no', repeats:int=2) -> list[dict]:
+    "Best-of-`repeats` images/s of our loop with each fast path of `FAST_PATHS` on, against all of them off (alternating runs)."
+    best = {}
+    for _ in range(repeats):
+        for name, kw in [('all off', dict(fused_adamw=False)), *FAST_PATHS.items()]:
+            best[name] = max(best.get(name, 0.0), our_loop(steps, batch_size, resolution, mixed_precision, **{'fused_adamw': False, **kw}))
+    return [{'loop': k, 'images/s': v, 'ratio': v / best['all off']} for k, v in best.items()]
+
+def table(rows:list[dict], ref:str='bare') -> str:
     "A Markdown table of benchmark rows."
-    return '\n'.join(["| loop | images/s | ratio to bare |", "|---|---:|---:|"] +
+    return '\n'.join([f"| loop | images/s | ratio to {ref} |", "|---|---:|---:|"] +
                      [f"| {r['loop']} | {r['images/s']:.1f} | {r['ratio']:.3f} |" for r in rows])
 
 @call_parse
@@ -78,10 +92,15 @@ def main(steps:int=40, # optimizer updates per run (first 2 untimed)
          resolution:int=32, # latent resolution
          mixed_precision:str='no', # 'no' | 'fp16' | 'bf16'
          repeats:int=2, # runs of each loop; the best is reported
+         fast_paths:bool=False, # also time each fast path (fused AdamW, channels_last, TF32, gradient checkpointing) on alone
         ):
     "Print images/s of the shared training loop relative to a bare loop."
     import accelerate
     print(f"device {accelerate.PartialState().device}, torch threads {torch.get_num_threads()}, steps {steps}, batch {batch_size}, {resolution} px, mixed precision {mixed_precision}")
     rows = bench(steps, batch_size, resolution, mixed_precision, repeats)
     print(table(rows))
+    if fast_paths:
+        fast = bench_fast_paths(steps, batch_size, resolution, mixed_precision, repeats)
+        print("\nOur loop with one fast path on (TF32 acts on GPUs only):\n" + table(fast, 'all off'))
+        rows = rows + fast
     return rows

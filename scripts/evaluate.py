@@ -97,13 +97,13 @@ def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=No
         return f"TensorBoard {tr['log_dir']}, step {step}"
     return None
 
-def upsampler_check(path:str|Path, rows:list[dict], steps:int=25, sampler:str='ddpm') -> dict:
+def upsampler_check(path:str|Path, rows:list[dict], steps:int=25, sampler:str='ddpm', batch_size:int=16) -> dict:
     "The upsampler at `path` on the true renders of the rows' scenes: PSNR/SSIM against them (and bicubic's), and the oracle on its images."
     from imagegen.diffusion.upsampler import GlideUpsampler, upsampler_report
     from imagegen.grids import to_pil
     up = GlideUpsampler.from_pretrained(path)
     truth = torch.stack([torch.from_numpy(np.asarray(render(r['scene'], up.resolution), dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1 for r in rows])
-    rep, sr = upsampler_report(up, truth, [r['prompt'] for r in rows], num_inference_steps=steps, sampler=sampler)
+    rep, sr = upsampler_report(up, truth, [r['prompt'] for r in rows], batch_size=batch_size, num_inference_steps=steps, sampler=sampler)
     ora = ShapesOracle().report(to_pil(sr, value_range=(-1, 1)), [r['scene'] for r in rows])
     return {**rep, **{f'upsampler/oracle/{k}': v for k, v in ora.items()}, 'upsampler/low_res': up.low_res,
             'upsampler/resolution': up.resolution, 'upsampler/steps': steps, 'upsampler/sampler': sampler}
@@ -121,6 +121,7 @@ def parse_args(argv:list[str]|None=None):
     p.add_argument('--upsampler', help="a GLIDE upsampler folder: also score it on the true renders of the prompts' scenes, degraded to its input size, against bicubic (PSNR/SSIM) and by the oracle")
     p.add_argument('--upsampler_steps', type=int, default=25, help="sampling steps of --upsampler")
     p.add_argument('--upsampler_sampler', default='ddpm', help="sampler of --upsampler")
+    p.add_argument('--upsampler_batch_size', type=int, default=16, help="images per forward pass of --upsampler (on a CPU, small batches run faster per image)")
     p.add_argument('--log_to_run', default=True, type=str2bool, help="also log the metrics into the MLflow run / TensorBoard folder of the run that trained the model")
     return p.parse_args(argv)
 
@@ -147,7 +148,7 @@ def main(argv:list[str]|None=None) -> dict|None:
         if hasattr(ae, 'vocab_size'): m.update(codebook_report(ae, truth))        # a VQ model: codes the true images use
     if a.upsampler:
         if not has_scenes: raise ValueError("--upsampler is scored on the true renders of Shapes scenes: sample with --shapes_split.")
-        m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler))
+        m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler, a.upsampler_batch_size))
     if has_edits: m.update(edit_metrics(rows, ae))
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")

@@ -173,6 +173,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
          upsampler_sampler:str='ddpm', # GLIDE upsampler (or a hybrid pipeline's decoder): its sampler
          upsampler_steps:int=25, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampling steps
          upsampler_guidance:float=1.0, # GLIDE upsampler: its guidance scale
+         upsampler_batch_size:int=None, # GLIDE upsampler (or a hybrid's decoder): images per forward pass (default: --batch_size; on a CPU small batches run faster per image)
          noise_level:int=None, # GLIDE upsampler: augmentation level of its input (default: the model's)
          candidates:int=1, # draw this many images per prompt and keep the best by --rerank (OUT/ranked/NNNNNN/rank_001.png...)
          keep:int=1, # with --candidates: ranked images kept per prompt (the best one is OUT/NNNNNN.png)
@@ -223,7 +224,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
         base_images, base_meta = images, dict(meta)
         up = hybrid.decoder if hybrid else GlideUpsampler.from_pretrained(upsampler).to(acc.device)
         low = to_unit_batch(base_images) * 2 - 1
-        images = images_distributed(acc, up.generate, ps_x, seeds_x, batch_size, progress=acc.is_main_process, per_item={'low_res_images': low},
+        images = images_distributed(acc, up.generate, ps_x, seeds_x, upsampler_batch_size or batch_size, progress=acc.is_main_process, per_item={'low_res_images': low},
                                     desc='upsampling', num_inference_steps=upsampler_steps, guidance_scale=upsampler_guidance,
                                     sampler=upsampler_sampler, noise_level=noise_level)
         meta |= dict(upsampler=str(upsampler or Path(model)/'decoder'), upsampler_sampler=upsampler_sampler, upsampler_steps=upsampler_steps,

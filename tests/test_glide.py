@@ -52,14 +52,14 @@ def test_cascade_sampling_on_two_ranks_and_evaluation(glide2, tmp_path):
     args = ['--model', d/'run'/'model', '--upsampler', d/'up'/'model', '--shapes_split', 'test', '--n', 3, '--steps', 3,
             '--upsampler_steps', 2, '--batch_size', 2]
     launch('scripts/sample.py', *args, '--out', tmp_path/'two')
-    run([sys.executable, 'scripts/sample.py', *map(str, args), '--out', str(tmp_path/'one')])
+    run([sys.executable, 'scripts/sample.py', *map(str, args), '--upsampler_batch_size', '1', '--out', str(tmp_path/'one')])
     for sub in ('', 'base'):
         one = [json.loads(l) for l in (tmp_path/'one'/sub/'samples.jsonl').read_text().splitlines()]
         assert len(one) == 3 and one[0]['family'] == 'glide'
-        for r in one:   # seed i gives image i, on 1 or 2 ranks
+        for r in one:   # seed i gives image i, on 1 or 2 ranks, in batches of 2 or (upsampled) 1
             assert (tmp_path/'one'/sub/r['file_name']).read_bytes() == (tmp_path/'two'/sub/r['file_name']).read_bytes()
     p = run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'one'), '--feature', 'random', '--log_to_run', 'false',
-             '--upsampler', str(d/'up'/'model'), '--upsampler_steps', '2'])
+             '--upsampler', str(d/'up'/'model'), '--upsampler_steps', '2', '--upsampler_batch_size', '2'])
     m = json.loads((tmp_path/'one'/'metrics.json').read_text())
     assert m['oracle/n'] == 3 and m['upsampler/oracle/n'] == 3 and 'bicubic' in p.stdout and m['upsampler/resolution'] == 32
 

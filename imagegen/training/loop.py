@@ -75,6 +75,8 @@ class TrainConfig(Config):
     resume: str|None = 'latest'         # 'latest' | a checkpoint folder | None (start fresh)
     save_model: bool = True             # save the final (EMA) model to output_dir/model
     allow_tf32: bool = False            # TF32 matmuls and convolutions on Ampere+ GPUs (faster fp32, ~10-bit mantissa)
+    fused_adamw: bool|None = None       # AdamW's fused kernel (one launch for all parameters); None: on when the trained weights are on a GPU
+    channels_last: bool = False         # convolution weights in channels-last memory format (faster bf16/fp16 convolutions on tensor-core GPUs)
 
     presets: ClassVar[dict[str, dict]] = {
         'default': {},
@@ -167,7 +169,9 @@ def make_optimizer(model:nn.Module, cfg:TrainConfig, lr_by_prefix:dict[str, floa
     "AdamW over `param_groups(model, ...)` with the betas, eps and weight decay of `cfg`."
     groups = param_groups(model, cfg.weight_decay, cfg.lr, lr_by_prefix)
     if not groups: raise ConfigError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train.")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    fused = cfg.fused_adamw if cfg.fused_adamw is not None else all(p.is_cuda for g in groups for p in g['params'])
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                             fused=True if fused else None)
 
 # %% ../../nbs/02c_loop.ipynb #d8e3d6d5
 def make_accelerator(cfg:TrainConfig, **kwargs) -> Accelerator:
@@ -223,6 +227,7 @@ def _setup(self:Trainer, dataloader):
     if callable(getattr(self.task, 'to', None)): self.task.to(acc.device)
     low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
     if low: raise ConfigError(f"trainable parameters must be float32 (mixed precision autocasts), found {low[:3]} in another dtype: build the model in float32.")
+    if cfg.channels_last: model.to(memory_format=torch.channels_last)   # 4-D weights only; conv outputs follow them
     if cfg.gradient_checkpointing:
         fn = getattr(model, 'enable_gradient_checkpointing', None) or getattr(model, 'gradient_checkpointing_enable', None)
         if fn is None: raise ConfigError(f"TrainConfig.gradient_checkpointing=True but {type(model).__name__} has no enable_gradient_checkpointing().")
