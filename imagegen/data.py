@@ -774,7 +774,11 @@ def encode_dataset_cached(encode, dataset, cache_dir:str|Path, fingerprint:dict,
     final = Path(cache_dir)/f"{re.sub(r'[^A-Za-z0-9]+', '-', desc).strip('-') or 'encoded'}-{digest}"
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     wait = accelerator.wait_for_everyone if accelerator is not None else (lambda: None)
-    if not (final/'meta.json').exists():
+    todo = [not (final/'meta.json').exists()]
+    if world > 1:                                             # one decision for all ranks, or their barriers would not pair up
+        from accelerate.utils import broadcast_object_list
+        broadcast_object_list(todo)
+    if todo[0]:
         partial = final.with_name(final.name + '.partial')
         if rank == 0: shutil.rmtree(partial, ignore_errors=True); partial.mkdir(parents=True)
         wait()
