@@ -741,12 +741,12 @@ class DiskEncodedDataset(Dataset):
     def __repr__(self): return (f"DiskEncodedDataset({len(self)} samples in {self.path.name}: "
                                 + ', '.join(f'{k} {tuple(s)} {d}' for k, (s, d) in self.meta['tensors'].items()) + ')')
 
-def _encode_part(encode, dataset, folder:Path, part:str, batch_size:int, progress:bool, desc:str) -> dict:
-    "Encode `dataset` into `folder/part.NAME.npy` (one memory-mapped array per output) and `folder/part.json`."
+def _encode_part(encode, dataset, folder:Path, part:str, batch_size:int, progress:bool, desc:str, input_key:str='pixel_values') -> dict:
+    "Encode `dataset` (its samples' `input_key`) into `folder/part.NAME.npy` (one memory-mapped array per output) and `folder/part.json`."
     from tqdm.auto import tqdm
     arrays, caps, scenes, keys, i = {}, [], [], [], 0
     for samples in tqdm(DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=lambda s: s), desc=desc, disable=not progress):
-        with torch.no_grad(): out = encode(torch.stack([s['pixel_values'] for s in samples]))
+        with torch.no_grad(): out = encode(torch.stack([s[input_key] for s in samples]))
         for k, v in out.items():
             v = v.detach().cpu(); v = v.float() if v.dtype == torch.bfloat16 else v        # numpy has no bfloat16
             if k not in arrays:
@@ -760,7 +760,7 @@ def _encode_part(encode, dataset, folder:Path, part:str, batch_size:int, progres
     return info
 
 def encode_dataset_cached(encode, dataset, cache_dir:str|Path, fingerprint:dict, accelerator=None, batch_size:int=256,
-                          progress:bool=True, desc:str='encoding') -> DiskEncodedDataset:
+                          progress:bool=True, desc:str='encoding', input_key:str='pixel_values') -> DiskEncodedDataset:
     "`encode_dataset` through the folder `cache_dir/DESC-DIGEST`: each rank of `accelerator` encodes its share once; later runs read it."
     import hashlib, shutil
     from torch.utils.data import Subset
@@ -784,7 +784,7 @@ def encode_dataset_cached(encode, dataset, cache_dir:str|Path, fingerprint:dict,
         wait()
         share = range(rank * n // world, (rank + 1) * n // world)
         _encode_part(encode, Subset(dataset, share), partial, f'part-{rank:05d}', batch_size, progress and rank == 0,
-                     f'{desc} (rank {rank} of {world})' if world > 1 else desc)
+                     f'{desc} (rank {rank} of {world})' if world > 1 else desc, input_key)
         wait()
         if rank == 0:
             infos = {f'part-{r:05d}': json.loads((partial/f'part-{r:05d}.json').read_text()) for r in range(world)}

@@ -12,9 +12,11 @@ from torch import nn
 from tokenizers import pre_tokenizers
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from fastcore.basics import patch
+from torch.utils.data import Dataset
+from .data import DiskEncodedDataset, encode_dataset_cached, weights_digest
 
 # %% auto #0
-__all__ = ['BOS', 'EOS', 'train_clip_tokenizer', 'tiny_clip_tokenizer', 'TextEncoder', 'load_text_encoder']
+__all__ = ['BOS', 'EOS', 'train_clip_tokenizer', 'tiny_clip_tokenizer', 'TextEncoder', 'CaptionIds', 'load_text_encoder']
 
 # %% ../nbs/01b_text.ipynb #4627cf4c
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -60,6 +62,7 @@ class TextEncoder(nn.Module):
         self.max_length = int(getattr(model.config, 'max_position_embeddings', tokenizer.model_max_length))
         if tokenizer.model_max_length > 10**6: tokenizer.model_max_length = self.max_length  # the SD pipeline pads to this
         self._cache, self.hits, self.misses = OrderedDict(), 0, 0
+        self._disk, self._disk_rows, self.disk_hits = None, {}, 0   # an on-disk cache (`cache_to_disk`)
         self.set_trainable(trainable)
 
     def set_trainable(self, trainable:bool) -> TextEncoder:
@@ -67,6 +70,7 @@ class TextEncoder(nn.Module):
         self.trainable = trainable
         self.model.requires_grad_(trainable).train(trainable)
         self.clear_cache()
+        self._disk, self._disk_rows = None, {}             # its weights may change: what was encoded before no longer holds
         return self
 
     def train(self, mode:bool=True):
@@ -83,7 +87,7 @@ class TextEncoder(nn.Module):
     def dtype(self) -> torch.dtype: return next(self.model.parameters()).dtype
 
     def clear_cache(self):
-        self._cache.clear(); self.hits = self.misses = 0
+        self._cache.clear(); self.hits = self.misses = self.disk_hits = 0
 
 # %% ../nbs/01b_text.ipynb #91282e29
 @patch
@@ -101,16 +105,17 @@ def forward(self:TextEncoder, input_ids:torch.Tensor) -> torch.Tensor:
 # %% ../nbs/01b_text.ipynb #89ef3d30
 @patch
 def encode(self:TextEncoder, prompts:list[str]) -> torch.Tensor:
-    "Embeddings `(B, L, D)` (float) for `prompts`; frozen encoders reuse cached per-prompt results."
+    "Embeddings `(B, L, D)` (float) for `prompts`; frozen encoders reuse cached per-prompt results (memory, then the on-disk cache)."
     if isinstance(prompts, str): prompts = [prompts]
     prompts = list(prompts)
     if self.trainable or self.cache_size <= 0: return self(self.tokenize(prompts)).float()
     new = list(dict.fromkeys(p for p in prompts if p not in self._cache))
     self.hits += len(prompts) - sum(p not in self._cache for p in prompts); self.misses += len(new)
-    fresh = {}
-    if new:
-        with torch.no_grad(): emb = self(self.tokenize(new)).float()
-        fresh = dict(zip(new, emb))
+    fresh = {p: self._disk[self._disk_rows[p]]['text_embeds'].float().to(self.device) for p in new if p in self._disk_rows}
+    self.disk_hits += len(fresh)
+    if todo := [p for p in new if p not in fresh]:
+        with torch.no_grad(): emb = self(self.tokenize(todo)).float()
+        fresh.update(zip(todo, emb))
     out = torch.stack([fresh[p] if p in fresh else self._cache[p] for p in prompts]).to(self.device)
     for p in prompts:
         if p in fresh: self._cache[p] = fresh[p]
@@ -136,6 +141,45 @@ def tiny(cls:TextEncoder, corpus:list[str], hidden:int=64, layers:int=2, heads:i
         torch.manual_seed(seed)
         model = CLIPTextModel(cfg)
     return cls(tok, model, trainable=trainable, cache_size=cache_size)
+
+# %% ../nbs/01b_text.ipynb #2d67f2c1
+class CaptionIds(Dataset):
+    "Captions as loader samples for `encode_dataset_cached`: `{'input_ids': (max_length,), 'captions': caption}`."
+    def __init__(self, captions:list[str], tokenizer, max_length:int):
+        self.captions, self.tokenizer, self.max_length = list(captions), tokenizer, max_length
+    def __len__(self): return len(self.captions)
+    def __getitem__(self, i:int) -> dict:
+        ids = self.tokenizer(self.captions[i], padding='max_length', max_length=self.max_length, truncation=True, return_tensors='pt').input_ids[0]
+        return {'input_ids': ids, 'captions': self.captions[i]}
+
+@patch
+def use_disk_cache(self:TextEncoder, cache:DiskEncodedDataset|None) -> TextEncoder:
+    "Read the embeddings of `cache`'s captions (a `cache_to_disk` folder) instead of encoding them; None stops."
+    if cache is not None and 'text_embeds' not in cache.meta['tensors']:
+        raise ValueError(f"{cache.path} holds {sorted(cache.meta['tensors'])}, not text embeddings: pass a folder written by TextEncoder.cache_to_disk.")
+    if cache is not None and self.trainable:
+        raise ValueError("TextEncoder.use_disk_cache: this encoder is trainable, so its embeddings change every step: freeze it first.")
+    self._disk, self._disk_rows = cache, ({c: i for i, c in enumerate(cache.captions)} if cache is not None else {})
+    return self
+
+@patch
+def cache_to_disk(self:TextEncoder, captions:list[str], cache_dir:str|Path, accelerator=None, batch_size:int=256,
+                  progress:bool=True, dtype:torch.dtype|None=None) -> DiskEncodedDataset:
+    "Encode every distinct caption (and '') once into `cache_dir/text-DIGEST` (ranks of `accelerator` split them); `encode` reads from it."
+    import hashlib
+    if self.trainable:
+        raise ValueError("TextEncoder.cache_to_disk: a trainable text encoder changes its embeddings every step; cache them only when it is "
+                         "frozen (train_text_encoder false), or train without the text cache.")
+    caps = sorted(set(captions) | {''})
+    dtype = dtype or (torch.float32 if self.dtype == torch.bfloat16 else self.dtype)
+    sha = lambda s: hashlib.sha1(s.encode()).hexdigest()
+    fp = {'kind': 'text', 'encoder': weights_digest(self.model), 'tokenizer': sha(self.tokenizer.backend_tokenizer.to_str()),
+          'max_length': self.max_length, 'captions': sha('\n'.join(caps)), 'dtype': str(dtype)}
+    encode = lambda ids: {'text_embeds': self(ids.to(self.device)).to(dtype)}
+    ds = encode_dataset_cached(encode, CaptionIds(caps, self.tokenizer, self.max_length), cache_dir, fp, accelerator, batch_size,
+                               progress, desc='text', input_key='input_ids')
+    self.use_disk_cache(ds)
+    return ds
 
 # %% ../nbs/01b_text.ipynb #6e82c1ca
 @patch

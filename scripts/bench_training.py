@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from fastcore.script import call_parse
 from diffusers import UNet2DConditionModel
+from imagegen.text import TextEncoder
 from imagegen.training.loop import TrainConfig, train
 
 def tiny_unet(resolution:int=32, channels:int=4, text_dim:int=64, seed:int=0) -> UNet2DConditionModel:
@@ -86,6 +87,54 @@ def table(rows:list[dict], ref:str='bare') -> str:
     return '\n'.join([f"| loop | images/s | ratio to {ref} |", "|---|---:|---:|"] +
                      [f"| {r['loop']} | {r['images/s']:.1f} | {r['ratio']:.3f} |" for r in rows])
 
+class TextConditioned(NoisePrediction):
+    "`NoisePrediction` on batches (latents, captions): each step's text embeddings come from a frozen `TextEncoder`."
+    def __init__(self, model, text_encoder): super().__init__(model); self.text_encoder = text_encoder
+    def to(self, device): self.text_encoder.to(device); return self
+    def loss(self, model, batch):
+        x, caps = batch
+        return super().loss(model, (x, self.text_encoder.encode(list(caps)).to(x.device)))
+
+def clip_text_encoder(layers:int=12, hidden:int=768, max_length:int=77, seed:int=0) -> TextEncoder:
+    "A frozen CLIP text model of Stable Diffusion 1.5's shape by default (random weights, a character-level tokenizer)."
+    from transformers import CLIPTextConfig, CLIPTextModel
+    from imagegen.text import tiny_clip_tokenizer
+    tok = tiny_clip_tokenizer(max_length)
+    torch.manual_seed(seed)
+    model = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                                         num_attention_heads=max(1, hidden // 64), max_position_embeddings=max_length,
+                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id))
+    return TextEncoder(tok, model)
+
+def text_data(n:int, batch_size:int, resolution:int, channels:int=4) -> tuple[DataLoader, list[str]]:
+    "Random latents, each with its own caption (a web dataset's case: the in-memory LRU never hits within an epoch)."
+    g = torch.Generator().manual_seed(0)
+    caps = [f'photo {i}: a red circle above a blue square' for i in range(n)]
+    x = torch.randn(n, channels, resolution, resolution, generator=g)
+    return DataLoader(list(zip(x, caps)), batch_size=batch_size, shuffle=True, drop_last=True), caps
+
+def bench_text_cache(steps:int=40, batch_size:int=8, resolution:int=32, mixed_precision:str='no', repeats:int=2,
+                     text_layers:int=12, text_hidden:int=768) -> list[dict]:
+    "Best-of-`repeats` images/s of our loop whose task encodes each batch's captions with a frozen CLIP, against reading them from `cache_to_disk`."
+    import accelerate
+    device = accelerate.PartialState().device
+    best, build = {}, []
+    for _ in range(repeats):
+        for name in ('text encoded every step', 'text embeddings from the disk cache'):
+            te = clip_text_encoder(text_layers, text_hidden).to(device)
+            dl, caps = text_data(steps * batch_size, batch_size, resolution)
+            with tempfile.TemporaryDirectory() as d:
+                if name.endswith('disk cache'):
+                    t0 = time.perf_counter(); te.cache_to_disk(caps, d, progress=False); build.append(time.perf_counter() - t0)
+                c = TrainConfig(output_dir=d + '/run', max_steps=steps, lr=1e-4, lr_scheduler='constant', tracker='none', checkpoint_every=None,
+                                save_model=False, log_every=10, mixed_precision=mixed_precision, resume=None, fused_adamw=False)
+                task = TextConditioned(tiny_unet(resolution, text_dim=text_hidden), te)
+                best[name] = max(best.get(name, 0.0), train(task, dl, c)['images_per_s'])
+    ref = best['text encoded every step']
+    rows = [{'loop': k, 'images/s': v, 'ratio': v / ref} for k, v in best.items()]
+    rows[1].update(cache_build_s=min(build), cache_captions=steps * batch_size + 1)   # once per dataset and encoder, before training
+    return rows
+
 @call_parse
 def main(steps:int=40, # optimizer updates per run (first 2 untimed)
          batch_size:int=8, # images per batch
@@ -93,6 +142,9 @@ def main(steps:int=40, # optimizer updates per run (first 2 untimed)
          mixed_precision:str='no', # 'no' | 'fp16' | 'bf16'
          repeats:int=2, # runs of each loop; the best is reported
          fast_paths:bool=False, # also time each fast path (fused AdamW, channels_last, TF32, gradient checkpointing) on alone
+         text_cache:bool=False, # also time a frozen CLIP text encoder (SD 1.5's shape) run every step against its on-disk cache
+         text_layers:int=12, # --text_cache: the CLIP text model's layers
+         text_hidden:int=768, # --text_cache: its width
         ):
     "Print images/s of the shared training loop relative to a bare loop."
     import accelerate
@@ -103,4 +155,10 @@ def main(steps:int=40, # optimizer updates per run (first 2 untimed)
         fast = bench_fast_paths(steps, batch_size, resolution, mixed_precision, repeats)
         print("\nOur loop with one fast path on (TF32 acts on GPUs only):\n" + table(fast, 'all off'))
         rows = rows + fast
+    if text_cache:
+        text = bench_text_cache(steps, batch_size, resolution, mixed_precision, repeats, text_layers, text_hidden)
+        print(f"\nOur loop with a frozen CLIP text model ({text_layers} layers, width {text_hidden}), every caption new, encoded each step or "
+              "read from TextEncoder.cache_to_disk:\n" + table(text, 'encoded every step'))
+        print(f"(building that cache, {text[1]['cache_captions']} captions, once per dataset and encoder: {text[1]['cache_build_s']:.1f} s)")
+        rows = rows + text
     return rows

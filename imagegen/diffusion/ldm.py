@@ -96,14 +96,17 @@ class LDMConfig(Config):
 # %% ../../nbs/04b_ldm.ipynb #08e88bee
 @dataclass
 class LDMDataConfig(DataConfig):
-    "The data section of a latent diffusion run: `DataConfig` plus latent caching."
+    "The data section of a latent diffusion run: `DataConfig` plus latent and text-embedding caching."
     caption_dropout: float = 0.1         # probability that a caption becomes '' (classifier-free guidance)
     cache_latents: bool = False          # encode the dataset once with the frozen VAE, train on the cached posteriors (map-style data)
     latent_mode: bool = False            # with cache_latents: train on the posterior mean instead of a fresh sample each step
+    cache_text_embeddings: bool = False  # with cache_latents and a frozen text encoder: every caption encoded once into the on-disk cache
 
     def __post_init__(self):
         super().__post_init__()
         if self.latent_mode and not self.cache_latents: raise ConfigError("LDMDataConfig.latent_mode needs cache_latents=True (the mean is taken when the latents are cached).")
+        if self.cache_text_embeddings and not self.cache_latents:
+            raise ConfigError("LDMDataConfig.cache_text_embeddings needs cache_latents=True (the captions are collected while the latents are cached).")
 
 # %% ../../nbs/04b_ldm.ipynb #2cee2f19
 def build_unet(cfg:LDMConfig, in_channels:int, sample_size:int, cross_attention_dim:int) -> UNet2DConditionModel:

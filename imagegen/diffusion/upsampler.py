@@ -39,6 +39,7 @@ class UpsamplerConfig(GlideConfig):
     train_crop:int|None = None           # train on random crops of this size of the high-resolution images (None: whole images)
     condition_skip_std:float|None = None  # the UNet adds its output to the best linear estimate from the condition, whose error std this is (ConditionSkipUNet); None: GLIDE's plain UNet
     condition_skip_flat_std:float|None = None  # with condition_skip_std: the error std assumed where the condition is flat (None: condition_skip_std everywhere)
+    condition_skip_scale_output:bool = False  # with condition_skip_flat_std: the UNet's output scaled per pixel by the assumed error std over condition_skip_std (EDM's c_out)
     condition_realign:bool = True         # with condition_skip_std: the UNet turns IF's bilinear upsampling (corners aligned) of its input into bicubic on pixel centres
 
     presets = {
@@ -57,6 +58,9 @@ class UpsamplerConfig(GlideConfig):
             raise ConfigError(f"UpsamplerConfig.condition_skip_std={self.condition_skip_std}: must be > 0 (0.05-0.1 on Shapes), or None for GLIDE's plain UNet.")
         if self.condition_skip_flat_std is not None and not 0 < self.condition_skip_flat_std <= (self.condition_skip_std or 0):
             raise ConfigError(f"UpsamplerConfig.condition_skip_flat_std={self.condition_skip_flat_std}: must be in (0, condition_skip_std={self.condition_skip_std}].")
+        if self.condition_skip_scale_output and self.condition_skip_flat_std is None:
+            raise ConfigError("UpsamplerConfig.condition_skip_scale_output scales the UNet's output by the assumed error, which is the same everywhere "
+                              "without condition_skip_flat_std: set condition_skip_flat_std (0.01 on Shapes) or leave condition_skip_scale_output false.")
         if self.condition_skip_std is not None and self.condition_realign and self.resolution % self.low_res:
             raise ConfigError(f"UpsamplerConfig.condition_realign needs resolution={self.resolution} to be a multiple of low_res={self.low_res}; "
                               "set condition_realign: false for other ratios.")
@@ -75,6 +79,7 @@ def build_upsampler_unet(cfg:UpsamplerConfig, **overrides) -> UNet2DConditionMod
     train, noising = build_glide_scheduler(cfg).config, build_noising_scheduler(cfg.num_train_timesteps).config
     skip = dict(condition_skip_std=cfg.condition_skip_std, skip_prediction_type=cfg.prediction_type,
                 condition_scale=cfg.resolution // cfg.low_res if cfg.condition_realign else None, condition_skip_flat_std=cfg.condition_skip_flat_std,
+                condition_skip_scale_output=cfg.condition_skip_scale_output,
                 skip_schedule={k: train[k] for k in keys}, skip_noising_schedule={k: noising[k] for k in keys})
     unet = build_glide_unet(cfg, in_channels=6, unet_class=ConditionSkipUNet, **{**skip, **overrides})
     nn.init.zeros_(unet.conv_out.weight); nn.init.zeros_(unet.conv_out.bias)   # untrained, it predicts the skip's estimate (ADM zero-initialises this layer too)
@@ -89,7 +94,7 @@ class ConditionSkipUNet(UNet2DConditionModel):
     "A super-resolution `UNet2DConditionModel` whose output is added to the prediction of the best linear estimate of the image from its condition."
     def __init__(self, *args, condition_skip_std:float=0.1, skip_schedule:dict|None=None, skip_noising_schedule:dict|None=None,
                  skip_prediction_type:str='v_prediction', condition_scale:int|None=None,
-                 condition_skip_flat_std:float|None=None, **kwargs):
+                 condition_skip_flat_std:float|None=None, condition_skip_scale_output:bool=False, **kwargs):
         super().__init__(*args, **kwargs)
         if not condition_skip_std > 0: raise ValueError(f"ConditionSkipUNet: condition_skip_std={condition_skip_std} must be > 0 (0.05-0.1 on Shapes).")
         if skip_prediction_type not in ('epsilon', 'v_prediction'):
@@ -101,9 +106,12 @@ class ConditionSkipUNet(UNet2DConditionModel):
             raise ValueError(f"ConditionSkipUNet: condition_scale={condition_scale!r} must be the upsampling factor (an integer >= 1), or None.")
         if condition_skip_flat_std is not None and not 0 < condition_skip_flat_std <= condition_skip_std:
             raise ValueError(f"ConditionSkipUNet: condition_skip_flat_std={condition_skip_flat_std} must be in (0, condition_skip_std={condition_skip_std}], or None.")
+        if condition_skip_scale_output and condition_skip_flat_std is None:
+            raise ValueError("ConditionSkipUNet: condition_skip_scale_output needs condition_skip_flat_std (without it the assumed error is the same everywhere).")
         self.register_to_config(condition_skip_std=condition_skip_std, skip_schedule=skip_schedule,
                                 skip_noising_schedule=skip_noising_schedule, skip_prediction_type=skip_prediction_type,
-                                condition_scale=condition_scale, condition_skip_flat_std=condition_skip_flat_std)
+                                condition_scale=condition_scale, condition_skip_flat_std=condition_skip_flat_std,
+                                condition_skip_scale_output=condition_skip_scale_output)
         noising = skip_noising_schedule or dict(build_noising_scheduler().config)
         self.register_buffer('skip_alphas_cumprod', DDPMScheduler.from_config(skip_schedule or {}).alphas_cumprod.float(), persistent=False)
         self.register_buffer('skip_noising_alphas_cumprod', DDPMScheduler.from_config(noising).alphas_cumprod.float(), persistent=False)
@@ -123,7 +131,12 @@ class ConditionSkipUNet(UNet2DConditionModel):
         rng = wmax(smooth) + wmax(-smooth)
         return (rng.amax(1, keepdim=True) / 0.25).clamp(0, 1)
 
-    def skip(self, sample:torch.Tensor, timestep, class_labels=None) -> torch.Tensor:
+    def error_var(self, cond:torch.Tensor) -> torch.Tensor:
+        "The variance of the error assumed in the (realigned, clean) condition: `condition_skip_std`², less away from edges with `condition_skip_flat_std`."
+        p, flat = torch.full((len(cond), 1, 1, 1), self.config.condition_skip_std ** 2, device=cond.device), self.config.condition_skip_flat_std
+        return p if flat is None else flat ** 2 + (p - flat ** 2) * self.detail(cond)
+
+    def skip(self, sample:torch.Tensor, timestep, class_labels=None, error_var:torch.Tensor|None=None) -> torch.Tensor:
         "The ε or v of the linear estimate x̂₀ from `sample` = (noisy image, realigned condition) at `timestep`, the condition noised to level `class_labels`."
         c = self.config.in_channels // 2
         x, cond = sample[:, :c].float(), sample[:, c:].float()
@@ -132,10 +145,7 @@ class ConditionSkipUNet(UNet2DConditionModel):
         lo = t.floor().long().clamp(0, len(ac) - 1); w = (t - lo).clamp(0, 1)                # samplers may ask for fractional timesteps
         abar = (ac[lo] * (1 - w) + ac[(lo + 1).clamp(max=len(ac) - 1)] * w).view(-1, 1, 1, 1)
         a, s2 = abar.sqrt(), 1 - abar
-        p = torch.full_like(a, self.config.condition_skip_std ** 2)
-        flat = self.config.condition_skip_flat_std
-        if flat is not None:                                                                   # less error assumed away from the condition's edges
-            p = flat ** 2 + (p - flat ** 2) * self.detail(cond)
+        p = self.error_var(cond) if error_var is None else error_var
         if class_labels is not None:                                                           # the condition's augmentation noise
             aug = self.skip_noising_alphas_cumprod.to(sample.device)
             aug = aug[torch.as_tensor(class_labels, device=sample.device).long().reshape(-1).expand(len(sample)).clamp(0, len(aug) - 1)].view(-1, 1, 1, 1)
@@ -152,7 +162,9 @@ class ConditionSkipUNet(UNet2DConditionModel):
         c = self.config.in_channels // 2
         sample = torch.cat([sample[:, :c], self.realign(sample[:, c:])], dim=1)
         out = super().forward(sample, timestep, encoder_hidden_states, class_labels, *args, return_dict=False, **kwargs)[0]
-        out = torch.cat([out[:, :c] + self.skip(sample, timestep, class_labels).to(out.dtype), out[:, c:]], dim=1)
+        p = self.error_var(sample[:, c:].float())
+        res = out[:, :c] * (p.sqrt() / self.config.condition_skip_std).to(out.dtype) if self.config.condition_skip_scale_output else out[:, :c]
+        out = torch.cat([res + self.skip(sample, timestep, class_labels, error_var=p).to(out.dtype), out[:, c:]], dim=1)
         return UNet2DConditionOutput(sample=out) if return_dict else (out,)
 
 @functools.lru_cache(maxsize=32)
