@@ -86,7 +86,8 @@ def test_example_configs_resolve(path):
     if stage:   # the measured upsampler recipe (README): 64 px crops, the condition skip, little augmentation, none at sampling
         m = run_['model']
         assert type(m).__name__ == 'UpsamplerConfig' and (m.train_crop, m.condition_skip_std, m.condition_skip_flat_std, m.condition_realign,
-                                                            m.noise_aug_max, m.noise_level, run_['train'].max_steps) == (64, 0.05, 0.01, True, 50, 0, 800)
+                                                            m.condition_skip_scale_output, m.noise_aug_max, m.noise_level,
+                                                            run_['train'].max_steps) == (64, 0.05, 0.01, True, True, 50, 0, 800)
     if path.stem == 'main_glide':   # the measured base recipe (README): text-only attention, heads of 8 channels, schedule shifted by 3, no text layer
         m = run_['model']
         assert (m.attention_head_dim, m.only_cross_attention, m.pooled_text, m.prediction_type, m.schedule_shift, m.text_layers, run_['train'].max_steps) == (8, True, True, 'v_prediction', 3.0, 0, 1300)
@@ -96,9 +97,9 @@ def test_main_job_config_is_the_main_recipe():
     "scripts/configs/main_ldm.yaml is the recipe `make main` measured (README): guard it against silent edits."
     r = resolve('train_ldm', ['--config', str(ROOT/'scripts'/'configs'/'main_ldm.yaml')])
     t, m, d = r['train'], r['model'], r['data']
-    assert (t.max_steps, t.batch_size, t.lr, t.warmup_steps, t.ema, t.ema_decay, t.lr_scheduler) == (2200, 64, 5e-4, 100, True, 0.999, 'constant_with_warmup')
+    assert (t.max_steps, t.batch_size, t.lr, t.warmup_steps, t.ema, t.ema_decay, t.lr_scheduler) == (3500, 64, 5e-4, 100, True, 0.999, 'constant_with_warmup')
     assert (m.train_text_encoder, m.pooled_text, m.resolution) == (True, True, 32)
-    assert (d.cache_latents, d.caption_dropout, d.latent_mode) == (True, 0.1, False)
+    assert (d.cache_latents, d.caption_dropout, d.latent_mode, d.cache_text_embeddings) == (True, 0.1, False, False)   # its text encoder trains
     assert 'main_vae.yaml' in (ROOT/'Makefile').read_text() and 'main_ldm.yaml' in (ROOT/'Makefile').read_text()
 
 
