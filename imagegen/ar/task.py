@@ -34,7 +34,7 @@ class GPTConfig(Config):
     text_encoder:str = 'tiny'            # 'tiny' or a CLIP text model folder/Hub id
     text_layout:str|None = None          # 'diffusers' when `text_encoder` names a whole pipeline (tokenizer/ + text_encoder/)
     text_hidden:int = 64                 # tiny text encoder width
-    text_layers:int = 2                  # tiny text encoder depth
+    text_layers:int = 2                  # tiny text encoder depth (0: token + position embeddings and the final norm, each token's state its own)
     text_max_length:int = 32             # tiny text encoder context (tokens)
     train_text_encoder:bool = False      # train the text model with the transformer (sensible for tiny encoders)
     text_encoder_lr:float|None = None    # learning rate of a trained text encoder (None: the transformer's)
@@ -62,8 +62,9 @@ class GPTConfig(Config):
     def __post_init__(self):
         def bad(f, msg): raise ConfigError(f"GPTConfig.{f}={getattr(self, f)!r}: {msg}")
         if self.resolution < 8 or self.resolution % 8: bad('resolution', "must be a positive multiple of 8 (e.g. 32, 256).")
-        for f in ('text_hidden', 'text_layers', 'text_max_length', 'n_layer', 'n_embd', 'n_head'):
+        for f in ('text_hidden', 'text_max_length', 'n_layer', 'n_embd', 'n_head'):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
+        if self.text_layers < 0: bad('text_layers', "must be >= 0 (0: token and position embeddings only).")
         if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}.")
         if self.pos_embedding not in ('2d', 'learned'): bad('pos_embedding', "use '2d' or 'learned'.")
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
