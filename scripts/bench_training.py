@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from fastcore.script import call_parse
 from diffusers import UNet2DConditionModel
-from imagegen.text import TextEncoder
+from imagegen.text import TextEncoder, tiny_clip_tokenizer
 from imagegen.training.loop import TrainConfig, train
 
 def tiny_unet(resolution:int=32, channels:int=4, text_dim:int=64, seed:int=0) -> UNet2DConditionModel:
@@ -98,7 +98,6 @@ class TextConditioned(NoisePrediction):
 def clip_text_encoder(layers:int=12, hidden:int=768, max_length:int=77, seed:int=0) -> TextEncoder:
     "A frozen CLIP text model of Stable Diffusion 1.5's shape by default (random weights, a character-level tokenizer)."
     from transformers import CLIPTextConfig, CLIPTextModel
-    from imagegen.text import tiny_clip_tokenizer
     tok = tiny_clip_tokenizer(max_length)
     torch.manual_seed(seed)
     model = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,

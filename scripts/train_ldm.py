@@ -26,15 +26,15 @@ def train_ldm(tcfg:TrainConfig, cfg:LDMConfig, dcfg:LDMDataConfig) -> LatentDiff
     corpus = collect_captions(dl, seed=tcfg.seed) if cfg.source('text_encoder')[0] == 'tiny' else None
     prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) else None  # --validation_prompts win (the loop sets them)
     model = LatentDiffusion.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
+    cache_dir = dcfg.encoded_cache or f'{tcfg.output_dir}/encoded'   # latents and text embeddings, shared by ranks and runs
     if dcfg.cache_latents:  # the ranks split the encoding into an on-disk cache, then each reads all of it (the loader shards it)
         ds = cache_latents(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process, mode=dcfg.latent_mode,
-                           cache_dir=dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', accelerator=acc,
+                           cache_dir=cache_dir, accelerator=acc,
                            fingerprint=dcfg.fingerprint(cfg.resolution))
         dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution, dataset=ds)
     if dcfg.cache_text_embeddings:  # every caption of the cached data (and ''), encoded once; the loss then reads them
         caps = [c for cs in ds.captions for c in ([cs] if isinstance(cs, str) else cs)]
-        model.text_encoder.to(acc.device).cache_to_disk(caps, dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', accelerator=acc,
-                                                         progress=acc.is_local_main_process)
+        model.text_encoder.to(acc.device).cache_to_disk(caps, cache_dir, accelerator=acc, progress=acc.is_local_main_process)
     train(model, dl, tcfg, accelerator=acc, sections={'data': dcfg})  # the model section is model.config
     return model
 
