@@ -280,6 +280,11 @@ def condition(self:GlideDiffusion, x0:torch.Tensor, generator:torch.Generator|No
     return None, {}
 
 @patch
+def pixel_loss_weight(self:GlideDiffusion, extra:torch.Tensor|None) -> torch.Tensor|None:
+    "A per-pixel weight of the noise MSE, broadcastable to the images, from the extra input channels: none for the base model."
+    return None
+
+@patch
 def loss(self:GlideDiffusion, model:nn.Module, batch:dict, generator:torch.Generator|None=None) -> dict:
     "Noise MSE (+ the variational term for a learned variance) of `model` on `batch = {'pixel_values': (B,3,H,W) in [-1,1], 'caption': list[str]}`."
     for k in ('caption', 'pixel_values'):
@@ -296,11 +301,13 @@ def loss(self:GlideDiffusion, model:nn.Module, batch:dict, generator:torch.Gener
     if self.text_encoder.trainable: out = model(inp, t, self.text_encoder.tokenize(captions), **kw)
     else: out = model(inp, t, encoder_hidden_states=self.text_encoder.encode(captions), **kw).sample
     eps, v = out.float().split(self.image_channels, dim=1) if self.learn_sigma else (out.float(), None)
-    mse = F.mse_loss(eps, diffusion_target(self.scheduler, x0, noise, t).float(), reduction='none').mean(dim=(1, 2, 3))
+    se = F.mse_loss(eps, diffusion_target(self.scheduler, x0, noise, t).float(), reduction='none')
+    mse, pw = se.mean(dim=(1, 2, 3)), self.pixel_loss_weight(extra)
+    fit = mse if pw is None else (se * pw).mean(dim=(1, 2, 3))             # what is minimised; `mse` stays the plain one in the logs
     w = loss_weights(self.scheduler, t, self.config.snr_gamma if self.config else None)   # ones unless min-SNR-gamma is asked for
-    if v is None: return {'loss': (w * mse).mean(), 'mse': mse.mean().detach()}
+    if v is None: return {'loss': (w * fit).mean(), 'mse': mse.mean().detach()}
     vb = variational_bound_terms(self.scheduler, x0, xt, t, predicted_noise(self.scheduler, eps.detach(), xt, t), v) * (T / 1000)  # ADM's RESCALED_MSE weight
-    return {'loss': (w * mse + vb).mean(), 'mse': mse.mean().detach(), 'vb': vb.mean().detach()}
+    return {'loss': (w * fit + vb).mean(), 'mse': mse.mean().detach(), 'vb': vb.mean().detach()}
 
 # %% ../../nbs/04c_glide.ipynb #f58d127f
 @patch

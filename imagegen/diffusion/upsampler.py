@@ -40,6 +40,7 @@ class UpsamplerConfig(GlideConfig):
     condition_skip_std:float|None = None  # the UNet adds its output to the best linear estimate from the condition, whose error std this is (ConditionSkipUNet); None: GLIDE's plain UNet
     condition_skip_flat_std:float|None = None  # with condition_skip_std: the error std assumed where the condition is flat (None: condition_skip_std everywhere)
     condition_skip_scale_output:bool = False  # with condition_skip_flat_std: the UNet's output scaled per pixel by the assumed error std over condition_skip_std (EDM's c_out)
+    condition_skip_loss_weight:bool = False  # with condition_skip_scale_output: the per-pixel MSE weighted by condition_skip_std² over the assumed error variance (EDM's 1/c_out²)
     condition_realign:bool = True         # with condition_skip_std: the UNet turns IF's bilinear upsampling (corners aligned) of its input into bicubic on pixel centres
 
     presets = {
@@ -61,6 +62,9 @@ class UpsamplerConfig(GlideConfig):
         if self.condition_skip_scale_output and self.condition_skip_flat_std is None:
             raise ConfigError("UpsamplerConfig.condition_skip_scale_output scales the UNet's output by the assumed error, which is the same everywhere "
                               "without condition_skip_flat_std: set condition_skip_flat_std (0.01 on Shapes) or leave condition_skip_scale_output false.")
+        if self.condition_skip_loss_weight and not self.condition_skip_scale_output:
+            raise ConfigError("UpsamplerConfig.condition_skip_loss_weight undoes the loss scale that condition_skip_scale_output brings to flat areas, "
+                              "and means nothing without it: set condition_skip_scale_output true (with condition_skip_flat_std) or leave the weight false.")
         if self.condition_skip_std is not None and self.condition_realign and self.resolution % self.low_res:
             raise ConfigError(f"UpsamplerConfig.condition_realign needs resolution={self.resolution} to be a multiple of low_res={self.low_res}; "
                               "set condition_realign: false for other ratios.")
@@ -241,6 +245,16 @@ def condition(self:GlideUpsampler, x0:torch.Tensor, generator:torch.Generator|No
     level = torch.randint(0, self.noise_aug_max + 1, (len(x0),), generator=generator, device=x0.device)
     cond = self.noising_scheduler.add_noise(cond, torch.randn(cond.shape, generator=generator, device=x0.device), level)
     return cond, {'class_labels': level}
+
+@patch
+def pixel_loss_weight(self:GlideUpsampler, extra:torch.Tensor|None) -> torch.Tensor|None:
+    "With `config.condition_skip_loss_weight`: (B, 1, H, W) = `condition_skip_std`² / the assumed error variance of the condition `extra` (EDM's 1/c_out²)."
+    if extra is None or not getattr(self.config, 'condition_skip_loss_weight', False): return None
+    u = self.unet
+    if not isinstance(u, ConditionSkipUNet) or not u.config.condition_skip_scale_output:
+        raise ValueError("condition_skip_loss_weight weights the loss by 1/c_out² of a ConditionSkipUNet built with condition_skip_scale_output; "
+                         f"this upsampler's UNet is a {type(u).__name__} without it: rebuild it from an UpsamplerConfig that sets both, or turn the weight off.")
+    with torch.no_grad(): return u.config.condition_skip_std ** 2 / u.error_var(u.realign(extra.float()))
 
 @patch
 def loss(self:GlideUpsampler, model:nn.Module, batch:dict, generator:torch.Generator|None=None) -> dict:
