@@ -70,10 +70,14 @@ nbtest: install
 #   its first stage, VAE or VQ-VAE, then sees two-object scenes too, see FIRST_STAGE_DATA) is fine-tuned into an
 #   instruction-based editor on Shapes edits (recipe scripts/configs/main_edit_FAMILY.yaml), then held-out edits are
 #   sampled and scored: edit accuracy (change made, rest unchanged), per kind, and SSIM to the target.
+# LEVEL=mixed (TASK=t2i): every stage trains on one- and two-object scenes in turn (level 1, the default: one object),
+#   and the text-to-image model is also scored on 200 held-out two-object prompts with a relation (SAMPLES-level2/);
+#   the starting point of reward fine-tuning for relations (README, "Reward fine-tuning with GRPO")
 # VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt), GLIDE_STEPS / UP_STEPS (glide) and EDIT_STEPS (TASK=edit)
 # override the recipes' step counts.
 FAMILY ?= ldm
 TASK ?= t2i
+LEVEL ?= 1
 EDIT_STEPS ?=
 MAIN ?= runs/main
 VAE_STEPS ?=
@@ -133,6 +137,16 @@ define EDIT
 	  --image_guidance $(EDIT_IMAGE_GUIDANCE_$(FAMILY)) --out $(MAIN)/$(FAMILY)-edit-samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/$(FAMILY)-edit-samples
 endef
+T2I_glide := $(MAIN)/glide/model
+# each family's make main sampling settings, for the two-object prompts of LEVEL=mixed (GLIDE: its base model)
+SAMPLE_ARGS_ldm := --sampler dpmpp_2m --steps 20 --guidance 4
+SAMPLE_ARGS_gpt :=
+SAMPLE_ARGS_glide := --sampler dpmpp_2m --steps 20 --guidance 3
+define LEVEL2
+	$(PY) scripts/sample.py --model $(T2I_$(FAMILY)) --shapes_split test --shapes_level 2 --n $(N_EVAL) $(SAMPLE_ARGS_$(FAMILY)) \
+	  --out $(SAMPLES_$(FAMILY))-level2
+	$(PY) scripts/evaluate.py --samples $(SAMPLES_$(FAMILY))-level2
+endef
 SAMPLES_ldm := $(MAIN)/samples
 SAMPLES_gpt := $(MAIN)/gpt-samples
 SAMPLES_glide := $(MAIN)/glide-samples
@@ -142,11 +156,14 @@ HAVE_T2I = $(wildcard $(T2I_$(FAMILY))/model_index.json $(T2I_$(FAMILY))/imagege
 main: check
 	@case "$(FAMILY)" in ldm|gpt|glide) ;; *) echo "FAMILY=$(FAMILY): choose ldm, gpt or glide"; exit 2;; esac
 	@case "$(TASK)/$(FAMILY)" in t2i/*|edit/ldm|edit/gpt) ;; *) echo "TASK=$(TASK) FAMILY=$(FAMILY): TASK is t2i, or edit with FAMILY=ldm or gpt"; exit 2;; esac
+	@case "$(TASK)/$(LEVEL)" in */1|t2i/mixed) ;; *) echo "LEVEL=$(LEVEL) TASK=$(TASK): LEVEL is 1, or mixed with TASK=t2i"; exit 2;; esac
 	$(BIN)/imagegen-diagnose
-	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
+	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --level $(LEVEL) --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
 	$(if $(and $(filter edit,$(TASK)),$(HAVE_T2I)),@echo "TASK=edit: starting from the text-to-image model in $(T2I_$(FAMILY)) (its first stage caps add/remove edits: evaluate.py prints the ceiling)",$(TRAIN_$(FAMILY)))
 	$(if $(filter edit,$(TASK)),$(EDIT))
+	$(if $(filter mixed,$(LEVEL)),$(LEVEL2))
 	@echo "grid: $(SAMPLES)/grid.png  metrics: $(SAMPLES)/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
+	$(if $(filter mixed,$(LEVEL)),@echo "two objects: $(SAMPLES)-level2/grid.png  metrics: $(SAMPLES)-level2/metrics.json")
 
 # the distributed check alone (2 CPU ranks here, every GPU on a GPU node)
 diagnose: install

@@ -8,11 +8,13 @@ from imagegen.shapes import ShapesDataset, SPLITS
 from imagegen.data import write_imagefolder, write_shards, shard_pattern
 from imagegen.edits import ShapesEdits, write_edit_folder, write_edit_shards
 
-def make_shapes(out:str, resolution:int=32, level:int=1, n_train:int=10_000, n_validation:int=1_000, n_test:int=1_000,
+def make_shapes(out:str, resolution:int=32, level:int|str=1, n_train:int=10_000, n_validation:int=1_000, n_test:int=1_000,
                 fmt:str='both', samples_per_shard:int=1000, seed:int=0, image_format:str='png', task:str='caption') -> dict:
     "Write every split of Shapes (`task` 'caption') or of its edit triples ('edit') under `out` in format `fmt`; returns the info dict."
     if fmt not in ('imagefolder', 'shards', 'both'): raise ConfigError(f"--format must be imagefolder, shards or both, got {fmt!r}.")
     if task not in ('caption', 'edit'): raise ConfigError(f"--task must be caption (captioned images) or edit (edit triples), got {task!r}.")
+    if str(level) not in ('1', '2', 'mixed'): raise ConfigError(f"--level must be 1 (one object), 2 (two objects with a relation) or mixed (both in turn), got {level!r}.")
+    level = 'mixed' if str(level) == 'mixed' else int(level)
     out, info = Path(out), {'task': task, 'resolution': resolution, 'level': level if task == 'caption' else None, 'seed': seed, 'splits': {}}
     for split, n in zip(SPLITS, (n_train, n_validation, n_test)):
         if not n: continue
@@ -34,7 +36,7 @@ def make_shapes(out:str, resolution:int=32, level:int=1, n_train:int=10_000, n_v
 
 def main(out:str='data/shapes', # output folder
          resolution:int=32, # image size in pixels
-         level:int=1, # 1: one object; 2: two objects with a spatial relation
+         level:str='1', # 1: one object; 2: two objects with a spatial relation; mixed: one and two in turn
          n_train:int=10_000, # training images
          n_validation:int=1_000, # validation images
          n_test:int=1_000, # test images (held-out colour-shape pairs)

@@ -120,6 +120,20 @@ def test_main_first_stage_data_follows_the_task(tmp_path):
         assert '--dataset_name shapes:level=mixed' in command('TASK=edit') and '--train_data_dir' not in command('TASK=edit')
 
 
+def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):
+    "`make main LEVEL=mixed` writes one- and two-object training scenes for every stage and scores the text-to-image model on held-out two-object prompts too, with the family's own sampling settings; LEVEL=1 does neither."
+    assert '--level 1 ' in main_command(tmp_path, 'scripts/make_shapes.py') and '--shapes_level 2' not in run(['make', '-n', '-s', 'main', f'MAIN={tmp_path}']).stdout
+    for family, samples, args in (('ldm', 'samples', '--sampler dpmpp_2m --steps 20 --guidance 4'), ('gpt', 'gpt-samples', ''),
+                                  ('glide', 'glide-samples', '--sampler dpmpp_2m --steps 20 --guidance 3')):
+        command = lambda *needles: main_command(tmp_path, *needles, args=(f'FAMILY={family}', 'LEVEL=mixed'))
+        assert '--level mixed ' in command('scripts/make_shapes.py', f'{tmp_path}/shapes ')
+        level2 = command('scripts/sample.py', '--shapes_level 2')
+        assert f'--out {tmp_path}/{samples}-level2' in level2 and args in level2 and '--upsampler' not in level2
+        assert command('scripts/evaluate.py', f'{samples}-level2')
+    p = run(['make', '-s', 'main', f'MAIN={tmp_path}', 'LEVEL=2'], check=False)
+    assert p.returncode != 0 and 'LEVEL is 1, or mixed' in p.stdout + p.stderr
+
+
 def test_main_edit_samples_at_each_familys_image_guidance(tmp_path):
     "`make main TASK=edit` samples the held-out edits at the family's image guidance from the Makefile (not InstructPix2Pix's default 1.5; the choice: README), and EDIT_IMAGE_GUIDANCE_<family> overrides it."
     edit_sample_command = lambda *args: main_command(tmp_path, 'scripts/sample.py', '--shapes_edit_split', args=('TASK=edit', *args))
