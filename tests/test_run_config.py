@@ -73,6 +73,10 @@ def test_example_configs_resolve(path):
         m, t = run_['model'], run_['train']
         assert (m.stage, m.decoder_reward, m.decoder_group_size, m.num_inference_steps, m.train_steps) == ('decoder', {'ssim': 1.0, 'oracle': 0.5}, 4, 8, None)
         assert (t.max_steps, t.lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.prompts_per_step, m.inner_steps) == (50, 1e-5, 2, 0.04, 2, 2)
+    elif grpo and path.stem.endswith('_relation'):   # the measured relation recipes (README): two-object prompts of the training split only
+        m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
+        assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward) == ('train', 2, None, {'oracle': 1.0})
+        assert (run_['train'].max_steps, run_['grpo'].group_size, run_['grpo'].kl_coef, run_['train'].lr) == (200, 8, 0.04, 1e-5 if ldm else 3e-5)
     elif grpo:   # the measured recipes (README): 200 steps on three of the held-out pairs, 8 samples per prompt; the GPT's without a KL term
         m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert type(m).__name__ == 'GRPORunConfig' and run_['train'].max_steps == 200 and run_['grpo'].group_size == 8
