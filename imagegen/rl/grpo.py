@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np, torch
 from ..config import Config, ConfigError
 from pathlib import Path
-from ..shapes import COLORS, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_prompt
+from ..shapes import COLORS, HELD_OUT, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_prompt
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
-__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'held_out_for', 'ShapesPrompts',
-           'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
+__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'held_out_for', 'unseen_pairs', 'redraw_until',
+           'scene_pairs', 'ShapesPrompts', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -97,16 +97,32 @@ def held_out_for(pairs:list[tuple[str, str]]|None, split:str) -> list[tuple[str,
     if split == 'test': return list(pairs)                      # the test split draws from the held-out pairs
     return [(c, s) for c in COLORS for s in SHAPES if (c, s) not in pairs]   # the other splits from the rest
 
+def unseen_pairs(pairs:list[tuple[str, str]]|None, split:str) -> set[tuple[str, str]]:
+    "The held-out pairs a draw of `pairs` from `split` must not show at all (the test split's others; none otherwise)."
+    return set() if pairs is None or split != 'test' else set(HELD_OUT) - set(pairs)
+
+def redraw_until(rng:np.random.Generator, draw, pairs_of, unseen:set, tries:int=1000):
+    "`draw(rng)` again until `pairs_of(result)` shares no pair with `unseen` (a function of the generator's state alone)."
+    for _ in range(tries):
+        out = draw(rng)
+        if not (pairs_of(out) & unseen): return out
+    raise ConfigError(f"no draw in {tries} avoided the pairs {sorted(unseen)}: choose other prompt pairs.")
+
+def scene_pairs(scene) -> set[tuple[str, str]]:
+    "The colour–shape pairs of a `Scene` (or of its dict)."
+    objs = scene['objects'] if isinstance(scene, dict) else scene.objects
+    return {(o['color'], o['shape']) if isinstance(o, dict) else (o.color, o.shape) for o in objs}
+
 class ShapesPrompts:
     "`prompts(n, seed)` -> n Shapes captions and `{'scenes': [...]}` (scenes of `split` with `level` objects, of `pairs` only when given)."
     def __init__(self, split:str='train', level:int=1, pairs=None):
         self.split, self.level = split, level
         self.pairs = None if pairs is None else parse_pairs(pairs, split)
-        self.held_out = held_out_for(self.pairs, split)
+        self.held_out, self.unseen = held_out_for(self.pairs, split), unseen_pairs(self.pairs, split)
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
         kw = {} if self.held_out is None else {'held_out': self.held_out}
-        scenes = [sample_scene(rng, self.split, self.level, **kw) for _ in range(n)]
+        scenes = [redraw_until(rng, lambda r: sample_scene(r, self.split, self.level, **kw), scene_pairs, self.unseen) for _ in range(n)]
         return [prompt(s) for s in scenes], {'scenes': scenes}
     def __repr__(self):
         return f"ShapesPrompts(split={self.split!r}, level={self.level}" + (f", pairs={[' '.join(q) for q in self.pairs]})" if self.pairs else ")")
@@ -118,11 +134,12 @@ class ShapesEditPrompts:
         if bad := [k for k in kinds if k not in EDIT_KINDS]: raise ConfigError(f"unknown edit kinds {bad}: use some of {list(EDIT_KINDS)}.")
         self.split, self.resolution, self.kinds = split, int(resolution), tuple(kinds)
         self.pairs = None if pairs is None else parse_pairs(pairs, split)
-        self.held_out = held_out_for(self.pairs, split)
+        self.held_out, self.unseen = held_out_for(self.pairs, split), unseen_pairs(self.pairs, split)
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
         kw = {} if self.held_out is None else {'held_out': self.held_out}
-        edits = [sample_edit(rng, self.split, self.kinds[int(rng.integers(len(self.kinds)))], **kw) for _ in range(n)]
+        edits = [redraw_until(rng, lambda r: sample_edit(r, self.split, self.kinds[int(r.integers(len(self.kinds)))], **kw),
+                              lambda e: scene_pairs(e.source) | scene_pairs(e.target), self.unseen) for _ in range(n)]
         texts = [e.instructions[int(rng.integers(len(e.instructions)))] for e in edits]
         return texts, {'edits': [e.to_dict() for e in edits], 'sources': [render(e.source, self.resolution) for e in edits],
                        'targets': [render(e.target, self.resolution) for e in edits]}
