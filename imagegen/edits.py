@@ -24,7 +24,7 @@ __all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'HELD_OUT_SI
            'sample_edit', 'ShapesEdits', 'score_edit', 'held_out_side', 'ssim_scores', 'edit_report',
            'write_edit_folder', 'edit_members', 'write_edit_shards', 'decode_edit_sample', 'EditHFSource',
            'ShapesEditSource', 'make_edit_dataset', 'edit_dropout_masks', 'prepare_sources', 'edit_sample_grid',
-           'EditDataConfig', 'EditConfig', 'make_edit_optimizer']
+           'TextToImageMix', 'EditDataConfig', 'EditConfig', 'make_edit_optimizer']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -366,6 +366,26 @@ def edit_sample_grid(editor, n:int|None=None, **kwargs) -> tuple[list, list[str]
     edited = to_pil(editor.edit(sources, prompts, **kwargs), value_range=(-1, 1))
     return [im for pair in zip(sources, edited) for im in pair], [c for p in prompts for c in ('source', p)]
 
+# %% ../nbs/01c_edits.ipynb #156e7846
+class TextToImageMix(torch.utils.data.Dataset):
+    "Edit triples with text-to-image samples mixed in: item `i` is, with probability `p`, a random sample of `images` as an edit without a source."
+    def __init__(self, edits, images, p:float):
+        if not 0 < p < 1: raise ValueError(f"text_to_image_prob must be in (0, 1), got {p}.")
+        for what, d in (('edit', edits), ('text-to-image', images)):
+            if isinstance(d, torch.utils.data.IterableDataset):
+                raise ValueError(f"TextToImageMix: the {what} data is a stream ({type(d).__name__}); mixing needs map-style datasets "
+                                 "(Shapes, image folders, Hub datasets). Mix WebDataset shards before training instead.")
+        if not len(images): raise ValueError("TextToImageMix: the text-to-image dataset is empty.")
+        self.edits, self.images, self.p = edits, images, p
+
+    def __len__(self): return len(self.edits)
+
+    def __getitem__(self, i:int) -> dict:
+        if float(torch.rand(())) >= self.p: return {**self.edits[i], 'has_source': torch.tensor(True)}
+        s = self.images[int(torch.randint(len(self.images), ()))]
+        return {'pixel_values': s['pixel_values'], 'input_pixel_values': torch.zeros_like(s['pixel_values']),
+                'has_source': torch.tensor(False), 'captions': s['captions'], 'edit': None, 'scene': s.get('scene'), 'key': s.get('key')}
+
 # %% ../nbs/01c_edits.ipynb #33d114fe
 @dataclass
 class EditDataConfig(DataConfig):
@@ -374,6 +394,8 @@ class EditDataConfig(DataConfig):
     original_image_column: str = 'input_image'   # the source image column / shard member
     edit_prompt_column: str = 'edit_prompt'      # the instruction column / shard member
     edited_image_column: str = 'edited_image'    # the edited (target) image column / shard member
+    text_to_image_dataset: str|None = None       # text-to-image data mixed into the edits ('shapes[:opts]', image folder, Hub id; TextToImageMix)
+    text_to_image_prob: float = 0.0              # share of training samples taken from text_to_image_dataset (0: edits only)
 
     def __post_init__(self):
         super().__post_init__()
@@ -382,13 +404,24 @@ class EditDataConfig(DataConfig):
         if self.random_flip or not self.center_crop:
             raise ConfigError("EditDataConfig: edit triples take the centre crop without flips (random_flip=False, center_crop=True): "
                               "a crop or flip would have to be the same on both images, and a flip swaps 'left' and 'right' in the instruction.")
+        if not 0 <= self.text_to_image_prob < 1:
+            raise ConfigError(f"EditDataConfig.text_to_image_prob={self.text_to_image_prob}: must be in [0, 1) (0: edit triples only).")
+        if bool(self.text_to_image_prob) != bool(self.text_to_image_dataset):
+            raise ConfigError("EditDataConfig: text_to_image_prob and text_to_image_dataset go together: set both (e.g. "
+                              "--text_to_image_dataset shapes:level=mixed --text_to_image_prob 0.25) or neither.")
 
     def make_dataset(self, resolution:int, **kwargs):
-        "The edit triples of `self.dataset` at `resolution` (`make_edit_dataset`)."
-        return make_edit_dataset(self.dataset, resolution, self.split, original_image_column=self.original_image_column,
+        "The edit triples of `self.dataset` at `resolution` (`make_edit_dataset`), with `text_to_image_dataset` mixed in (`TextToImageMix`)."
+        edits = make_edit_dataset(self.dataset, resolution, self.split, original_image_column=self.original_image_column,
                                  edit_prompt_column=self.edit_prompt_column, edited_image_column=self.edited_image_column,
                                  cache_dir=self.cache_dir, max_bad_frac=self.max_bad_frac, epoch_size=self.epoch_size,
                                  shuffle_buffer=self.shuffle_buffer, **kwargs)
+        if not self.text_to_image_prob: return edits
+        images = DataConfig(dataset=self.text_to_image_dataset, split=self.split, cache_dir=self.cache_dir,
+                            max_bad_frac=self.max_bad_frac).make_dataset(resolution)
+        try: return TextToImageMix(edits, images, self.text_to_image_prob)
+        except ValueError as e: raise ConfigError(f"EditDataConfig: {e}") from None
+
 
 # %% ../nbs/01c_edits.ipynb #5d09051f
 @dataclass

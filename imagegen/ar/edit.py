@@ -56,7 +56,7 @@ class GPTEditor(TextToImageGPT):
 # %% ../../nbs/05c_edit.ipynb #e573a2ed
 @patch
 def condition(self:GPTEditor, batch:dict) -> tuple[list[str], torch.Tensor, dict]:
-    "Instructions, `cond_mask` and the source (`source_ids`, `source_mask`), each dropped as `edit_dropout_masks` draws."
+    "Instructions, `cond_mask` and the source (`source_ids`, `source_mask`), each dropped as `edit_dropout_masks` draws (the source also where `has_source` is False)."
     if 'source_tokens' in batch: src = batch['source_tokens'].to(self.device)
     elif 'input_pixel_values' in batch:
         with torch.no_grad(): src = self.tokenizer.encode(batch['input_pixel_values'].to(self.device))
@@ -64,7 +64,9 @@ def condition(self:GPTEditor, batch:dict) -> tuple[list[str], torch.Tensor, dict
     captions = list(batch['caption'])
     drop_text, drop_image = edit_dropout_masks(len(captions), self.conditioning_dropout_prob)
     cond = torch.tensor([bool(c) for c in captions], device=self.device) & ~drop_text.to(self.device)
-    return captions, cond, dict(source_ids=src.long().flatten(1), source_mask=~drop_image.to(self.device))
+    keep = ~drop_image.to(self.device)
+    if 'has_source' in batch: keep &= batch['has_source'].to(self.device).bool()     # text-to-image rows (imagegen.edits.TextToImageMix)
+    return captions, cond, dict(source_ids=src.long().flatten(1), source_mask=keep)
 
 # %% ../../nbs/05c_edit.ipynb #e2c291ab
 @patch

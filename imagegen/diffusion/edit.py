@@ -65,13 +65,15 @@ class LatentEditor(LatentDiffusion):
 # %% ../../nbs/04e_edit.ipynb #1d1090b2
 @patch
 def condition(self:LatentEditor, batch:dict, generator:torch.Generator|None=None) -> tuple[list[str], torch.Tensor]:
-    "The instructions and the source latents the UNet reads, each dropped (to '' and to zeros) as `edit_dropout_masks` draws."
+    "The instructions and the source latents the UNet reads, each dropped (to '' and to zeros) as `edit_dropout_masks` draws (the source also where `has_source` is False)."
     if 'input_pixel_values' not in batch:
         raise KeyError(f"LatentEditor.loss: batch has keys {sorted(batch)} but needs 'input_pixel_values' (the source images).")
     src = self.source_latents(batch['input_pixel_values'])
     drop_text, drop_image = edit_dropout_masks(len(src), self.conditioning_dropout_prob, generator)
     captions = ['' if d else c for c, d in zip(batch['caption'], drop_text.tolist())]
-    return captions, src * (~drop_image).to(src.device, src.dtype).view(-1, 1, 1, 1)
+    keep = ~drop_image
+    if 'has_source' in batch: keep &= batch['has_source'].cpu().bool()    # text-to-image rows (imagegen.edits.TextToImageMix)
+    return captions, src * keep.to(src.device, src.dtype).view(-1, 1, 1, 1)
 
 # %% ../../nbs/04e_edit.ipynb #1a60246f
 @patch
