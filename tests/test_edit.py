@@ -45,7 +45,8 @@ def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     out = tmp_path/'run'
     launch('scripts/train_edit.py', '--pretrained_model_name_or_path', t2i/family, '--output_dir', out, '--max_steps', 4,
            '--batch_size', 4, '--lr', 1e-3, '--warmup_steps', 0, '--ema_decay', 0.9, '--tracker', 'none', '--sample_every', 4,
-           '--n_samples', 2, *(['--token_noise', 0.3] if family == 'gpt' else []), probe=tmp_path/'probe')
+           '--n_samples', 2, *(['--token_noise', 0.3] if family == 'gpt' else []),
+           '--text_to_image_dataset', 'shapes:level=mixed', '--text_to_image_prob', 0.5, probe=tmp_path/'probe')
     r0, r1 = rank_records(tmp_path/'probe', 2)
     assert (r0['world_size'], r0['end_step']) == (2, 4)
     assert not torch.equal(r0['params_start'], r0['params']), "training did not change the model"
@@ -56,6 +57,7 @@ def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     assert (out/'samples'/'step_00000004.png').exists()
     info = json.loads((out/'model'/'run_info.json').read_text())
     assert info['config']['model']['pretrained_model_name_or_path'] == str(t2i/family)
+    assert info['config']['data']['text_to_image_prob'] == 0.5    # half the rows were text-to-image samples without a source
     if family == 'ldm':   # the saved editor is the EMA every rank holds, in diffusers' InstructPix2Pix layout
         from diffusers import StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
         unet = UNet2DConditionModel.from_pretrained(out/'model', subfolder='unet')
