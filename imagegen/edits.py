@@ -328,11 +328,13 @@ def make_edit_dataset(source, resolution:int=32, split:str='train', *, original_
     return EditHFSource(load_hf(name, split, cache_dir=cache_dir, **kwargs), tf, columns, name=name, **bad)
 
 # %% ../nbs/01c_edits.ipynb #2e728ad3
-def edit_dropout_masks(n:int, p:float, generator:torch.Generator|None=None) -> tuple[torch.Tensor, torch.Tensor]:
-    "Boolean masks `(drop_text, drop_image)` of `n` samples: each is True with probability 2p, both with probability p."
+def edit_dropout_masks(n:int, p:float, generator:torch.Generator|None=None, has_source:torch.Tensor|None=None) -> tuple[torch.Tensor, torch.Tensor]:
+    "Boolean masks `(drop_text, drop_image)` of `n` samples: each is True with probability 2p, both with probability p; `drop_image` also where `has_source` is False."
     if not 0 <= p <= 1 / 3: raise ValueError(f"conditioning_dropout_prob must be in [0, 1/3] (diffusers' default: 0.05), got {p}.")
     r = torch.rand(n, generator=generator)
-    return r < 2 * p, (r >= p) & (r < 3 * p)
+    drop_image = (r >= p) & (r < 3 * p)
+    if has_source is not None: drop_image |= ~has_source.cpu().bool()     # text-to-image rows (TextToImageMix)
+    return r < 2 * p, drop_image
 
 # %% ../nbs/01c_edits.ipynb #f141ccf8
 def prepare_sources(images, resolution:int) -> torch.Tensor:

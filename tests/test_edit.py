@@ -57,7 +57,7 @@ def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     assert (out/'samples'/'step_00000004.png').exists()
     info = json.loads((out/'model'/'run_info.json').read_text())
     assert info['config']['model']['pretrained_model_name_or_path'] == str(t2i/family)
-    assert info['config']['data']['text_to_image_prob'] == 0.5    # half the rows were text-to-image samples without a source
+    assert info['config']['data']['text_to_image_prob'] == 0.5    # the mix is recorded with the run (the mix itself: nbs/01c_edits)
     if family == 'ldm':   # the saved editor is the EMA every rank holds, in diffusers' InstructPix2Pix layout
         from diffusers import StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
         unet = UNet2DConditionModel.from_pretrained(out/'model', subfolder='unet')

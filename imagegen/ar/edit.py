@@ -62,11 +62,9 @@ def condition(self:GPTEditor, batch:dict) -> tuple[list[str], torch.Tensor, dict
         with torch.no_grad(): src = self.tokenizer.encode(batch['input_pixel_values'].to(self.device))
     else: raise KeyError(f"GPTEditor.loss: batch has keys {sorted(batch)} but needs 'input_pixel_values' (the source images) or 'source_tokens'.")
     captions = list(batch['caption'])
-    drop_text, drop_image = edit_dropout_masks(len(captions), self.conditioning_dropout_prob)
+    drop_text, drop_image = edit_dropout_masks(len(captions), self.conditioning_dropout_prob, has_source=batch.get('has_source'))
     cond = torch.tensor([bool(c) for c in captions], device=self.device) & ~drop_text.to(self.device)
-    keep = ~drop_image.to(self.device)
-    if 'has_source' in batch: keep &= batch['has_source'].to(self.device).bool()     # text-to-image rows (imagegen.edits.TextToImageMix)
-    return captions, cond, dict(source_ids=src.long().flatten(1), source_mask=keep)
+    return captions, cond, dict(source_ids=src.long().flatten(1), source_mask=~drop_image.to(self.device))
 
 # %% ../../nbs/05c_edit.ipynb #e2c291ab
 @patch

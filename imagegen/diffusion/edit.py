@@ -69,11 +69,9 @@ def condition(self:LatentEditor, batch:dict, generator:torch.Generator|None=None
     if 'input_pixel_values' not in batch:
         raise KeyError(f"LatentEditor.loss: batch has keys {sorted(batch)} but needs 'input_pixel_values' (the source images).")
     src = self.source_latents(batch['input_pixel_values'])
-    drop_text, drop_image = edit_dropout_masks(len(src), self.conditioning_dropout_prob, generator)
+    drop_text, drop_image = edit_dropout_masks(len(src), self.conditioning_dropout_prob, generator, batch.get('has_source'))
     captions = ['' if d else c for c, d in zip(batch['caption'], drop_text.tolist())]
-    keep = ~drop_image
-    if 'has_source' in batch: keep &= batch['has_source'].cpu().bool()    # text-to-image rows (imagegen.edits.TextToImageMix)
-    return captions, src * keep.to(src.device, src.dtype).view(-1, 1, 1, 1)
+    return captions, src * (~drop_image).to(src.device, src.dtype).view(-1, 1, 1, 1)
 
 # %% ../../nbs/04e_edit.ipynb #1a60246f
 @patch
