@@ -435,6 +435,9 @@ class EditConfig(Config):
     train_text_encoder: bool|None = None      # None: as the checkpoint's run did
     source_lr_scale: float = 1.0              # learning-rate multiplier of the weights that read the source (see the editors)
     token_noise: float|None = None            # GPT family: share of the target tokens the editor reads as random codes; None: the checkpoint's
+    source_copy: bool = False                 # GPT family: give a new editor the copy pointer (LatentGPTConfig.source_copy)
+    source_token_margin: int|None = None      # GPT family: target cells this many cells away from every changed pixel take the source's token (None: off)
+    source_token_tolerance: float = 0.02      # GPT family: a pixel counts as unchanged when source and target differ by at most this (images in [-1, 1])
     cache_dir: str|None = None                # Hub cache
 
     presets: ClassVar[dict[str, dict]] = {'default': {}}
@@ -443,6 +446,9 @@ class EditConfig(Config):
         if not 0 <= self.conditioning_dropout_prob <= 1 / 3:
             raise ConfigError(f"EditConfig.conditioning_dropout_prob={self.conditioning_dropout_prob}: must be in [0, 1/3] (diffusers' default 0.05).")
         if not self.source_lr_scale > 0: raise ConfigError(f"EditConfig.source_lr_scale={self.source_lr_scale}: must be > 0 (1: the run's learning rate).")
+        if self.source_token_margin is not None and self.source_token_margin < 0:
+            raise ConfigError(f"EditConfig.source_token_margin={self.source_token_margin}: must be >= 0 (cells around a change that keep the target's token), or None.")
+        if not self.source_token_tolerance >= 0: raise ConfigError(f"EditConfig.source_token_tolerance={self.source_token_tolerance}: must be >= 0.")
         if self.token_noise is not None and not 0 <= self.token_noise < 1:
             raise ConfigError(f"EditConfig.token_noise={self.token_noise}: must be in [0, 1) (None: the checkpoint's).")
 

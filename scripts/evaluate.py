@@ -47,6 +47,8 @@ def edit_metrics(rows:list[dict], first_stage=None) -> dict:
         ceil = edit_report(ShapesOracle(), reconstruct(first_stage, targets), edits)
         out['first_stage/edit/correct'] = ceil['correct']
         out.update({f'first_stage/edit/{kind}/correct': v['correct'] for kind, v in ceil['per_kind'].items()})
+        if hasattr(first_stage, 'vocab_size'):                                   # a VQ model: can an editor copy its tokens?
+            out.update(token_keep_report(first_stage, [render(e.source, r['image'].size[0]) for e, r in zip(edits, rows)], targets))
     return out
 
 def first_stage(rows:list[dict], which:str|None) -> Path|None:
@@ -75,6 +77,17 @@ def codebook_report(tokenizer, images, batch_size:int=64) -> dict:
     nz = p[p > 0]
     return {'first_stage/codebook_usage': (p > 0).float().mean().item(), 'first_stage/codebook_perplexity': (-(nz * nz.log()).sum()).exp().item(),
             'first_stage/codebook_size': tokenizer.vocab_size, 'first_stage/tokens': ids.numel()}
+
+def token_keep_report(tokenizer, sources, targets, batch_size:int=64) -> dict:
+    "Of the token cells whose pixels an edit leaves identical (source against target), the share whose token is the same in both: what an editor over these tokens can copy."
+    xs, xt = to_unit_batch(sources) * 2 - 1, to_unit_batch(targets) * 2 - 1
+    enc = lambda x: torch.cat([tokenizer.encode(x[i:i + batch_size]).flatten(1) for i in range(0, len(x), batch_size)]).cpu()
+    with torch.no_grad(): same_tok = enc(xs) == enc(xt)                                  # (B, cells)
+    f = tokenizer.downsample_factor
+    same_pix = (xs == xt).all(1).float()[:, None]                                        # (B, 1, H, W)
+    cells = (torch.nn.functional.avg_pool2d(same_pix, f) == 1).flatten(1)                # (B, cells): every pixel identical
+    n = int(cells.sum())
+    return {'first_stage/edit/token_keep': same_tok[cells].float().mean().item() if n else float('nan'), 'first_stage/edit/untouched_cells': n}
 
 def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=None) -> str|None:
     "Log numeric `metrics` as `eval/<name>` into the tracker run that trained `model_dir`; returns where, or None."
@@ -163,6 +176,9 @@ def main(argv:list[str]|None=None) -> dict|None:
     if 'first_stage/edit/correct' in m:
         print(f"first-stage ceiling of edit accuracy ({stage_dir.name} reconstructions of the true targets): {m['first_stage/edit/correct']:.3f} ("
               + ', '.join(f"{k} {m[f'first_stage/edit/{k}/correct']:.2f}" for k in EDIT_KINDS if f'first_stage/edit/{k}/correct' in m) + ')')
+    if 'first_stage/edit/token_keep' in m:
+        print(f"tokens the edits leave alone: {m['first_stage/edit/token_keep']:.3f} of the {m['first_stage/edit/untouched_cells']} token cells "
+              "whose pixels are the same in source and target have the same token in both (what an editor can copy)")
     if 'first_stage/codebook_usage' in m:
         print(f"codebook usage on the true images: {m['first_stage/codebook_usage']:.3f} of {m['first_stage/codebook_size']} codes "
               f"(perplexity {m['first_stage/codebook_perplexity']:.1f}, {m['first_stage/tokens']} tokens)")

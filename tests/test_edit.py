@@ -45,7 +45,7 @@ def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     out = tmp_path/'run'
     launch('scripts/train_edit.py', '--pretrained_model_name_or_path', t2i/family, '--output_dir', out, '--max_steps', 4,
            '--batch_size', 4, '--lr', 1e-3, '--warmup_steps', 0, '--ema_decay', 0.9, '--tracker', 'none', '--sample_every', 4,
-           '--n_samples', 2, *(['--token_noise', 0.3] if family == 'gpt' else []),
+           '--n_samples', 2, *(['--token_noise', 0.3, '--source_copy'] if family == 'gpt' else []),
            '--text_to_image_dataset', 'shapes:level=mixed', '--text_to_image_prob', 0.5, probe=tmp_path/'probe')
     r0, r1 = rank_records(tmp_path/'probe', 2)
     assert (r0['world_size'], r0['end_step']) == (2, 4)
@@ -67,7 +67,7 @@ def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     else:
         meta = json.loads((out/'model'/'imagegen_gpt.json').read_text())
         cfg = json.loads((out/'model'/'transformer'/'config.json').read_text())
-        assert meta['task'] == 'edit' and cfg['source_tokens'] is True
+        assert meta['task'] == 'edit' and cfg['source_tokens'] is True and cfg['source_copy'] is True   # --source_copy
         assert meta['config']['token_noise'] == 0.3 and info['config']['model']['token_noise'] == 0.3   # --token_noise, kept with the editor
     # held-out edits: 5 on 2 ranks (3 + 2) and on one process give the same rows and images, in order
     kw = ['--model', out/'model', '--shapes_edit_split', 'test', '--n', 5, '--steps', 2, '--batch_size', 2, '--seed', 3]

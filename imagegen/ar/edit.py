@@ -7,13 +7,15 @@ from __future__ import annotations
 import copy, dataclasses, json
 from pathlib import Path
 import torch
+import torch.nn.functional as F
 from fastcore.basics import patch
 from .model import LatentGPT
 from .task import GPT_FILE, GPTConfig, TextToImageGPT
+from ..config import ConfigError
 from ..edits import EditConfig, edit_dropout_masks, edit_sample_grid, make_edit_optimizer, prepare_sources
 
 # %% auto #0
-__all__ = ['GPTEditor']
+__all__ = ['GPTEditor', 'copy_consistent_tokens']
 
 # %% ../../nbs/05c_edit.ipynb #5ce6caa9
 class GPTEditor(TextToImageGPT):
@@ -25,18 +27,21 @@ class GPTEditor(TextToImageGPT):
                              "start one from a text-to-image model with GPTEditor.from_text_to_image.")
         edit_dropout_masks(0, conditioning_dropout_prob)          # validates the rate
         self.conditioning_dropout_prob, self.source_lr_scale = conditioning_dropout_prob, 1.0
+        self.source_token_margin, self.source_token_tolerance = None, 0.02     # copy-consistent targets: off (see `loss`)
 
     def configure_optimizer(self, model, cfg) -> torch.optim.Optimizer:
         "The loop's hook: as the text-to-image model's, with the weights that read the source at `source_lr_scale` times the rate (`EditConfig`)."
-        return make_edit_optimizer(self, model, cfg, ('src_wte.weight', 'src_in.weight', 'null_source'))
+        return make_edit_optimizer(self, model, cfg, ('src_wte.weight', 'src_in.weight', 'null_source', 'copy_q.weight', 'copy_k.weight',
+                                                      'copy_gate.weight', 'copy_gate.bias'))
 
     @classmethod
-    def from_text_to_image(cls, t2i:TextToImageGPT, conditioning_dropout_prob:float=0.05) -> GPTEditor:
-        "An editor that starts as `t2i` (left untouched): all its weights, the source embeddings a copy of its token embeddings, a new null source."
-        cfg = copy.deepcopy(t2i.gpt.config); cfg.source_tokens = cfg.aligned_source = True
+    def from_text_to_image(cls, t2i:TextToImageGPT, conditioning_dropout_prob:float=0.05, source_copy:bool=False) -> GPTEditor:
+        "An editor that starts as `t2i` (left untouched): all its weights, the source embeddings a copy of its token embeddings, a new null source (`source_copy`: and the copy pointer, its gate at zero)."
+        cfg = copy.deepcopy(t2i.gpt.config); cfg.source_tokens = cfg.aligned_source = True; cfg.source_copy = source_copy
         gpt = LatentGPT(cfg).to(t2i.device)
         missing, unexpected = gpt.load_state_dict(t2i.gpt.state_dict(), strict=False)
-        assert not unexpected and set(missing) == {'src_wte.weight', 'null_source', 'src_in.weight'}, (missing, unexpected)
+        new = {'src_wte.weight', 'null_source', 'src_in.weight'} | ({'copy_q.weight', 'copy_k.weight', 'copy_gate.weight', 'copy_gate.bias'} if source_copy else set())
+        assert not unexpected and set(missing) == new, (missing, unexpected)
         with torch.no_grad(): gpt.src_wte.weight.copy_(t2i.gpt.wte.weight)
         gpt.train(t2i.gpt.training)
         return cls(gpt, t2i.tokenizer, copy.deepcopy(t2i.text_encoder), t2i.config, t2i.sample_prompts,
@@ -47,9 +52,14 @@ class GPTEditor(TextToImageGPT):
         "The editor of an editing run (`EditConfig.build` calls this for latent GPT folders): a text-to-image GPT made an editor, or an editor as it is."
         path = Path(cfg.pretrained_model_name_or_path)
         meta = json.loads((path/GPT_FILE).read_text())
-        if meta.get('task') == 'edit': m = cls.from_pretrained(path, train_text_encoder=cfg.train_text_encoder)
-        else: m = cls.from_text_to_image(TextToImageGPT.from_pretrained(path, train_text_encoder=cfg.train_text_encoder))
+        if meta.get('task') == 'edit':
+            m = cls.from_pretrained(path, train_text_encoder=cfg.train_text_encoder)
+            if cfg.source_copy and not m.gpt.config.source_copy:
+                raise ConfigError(f"--source_copy: {path} is an editor without the copy pointer, and fine-tuning keeps an editor's architecture. "
+                                  "Start from its text-to-image model to train an editor with the pointer, or leave --source_copy unset.")
+        else: m = cls.from_text_to_image(TextToImageGPT.from_pretrained(path, train_text_encoder=cfg.train_text_encoder), source_copy=cfg.source_copy)
         m.conditioning_dropout_prob, m.source_lr_scale = cfg.conditioning_dropout_prob, cfg.source_lr_scale
+        m.source_token_margin, m.source_token_tolerance = cfg.source_token_margin, cfg.source_token_tolerance
         if cfg.token_noise is not None: m.config = dataclasses.replace(m.config or GPTConfig(), token_noise=cfg.token_noise)   # saved with the editor
         return m
 
@@ -65,6 +75,35 @@ def condition(self:GPTEditor, batch:dict) -> tuple[list[str], torch.Tensor, dict
     drop_text, drop_image = edit_dropout_masks(len(captions), self.conditioning_dropout_prob, has_source=batch.get('has_source'))
     cond = torch.tensor([bool(c) for c in captions], device=self.device) & ~drop_text.to(self.device)
     return captions, cond, dict(source_ids=src.long().flatten(1), source_mask=~drop_image.to(self.device))
+
+# %% ../../nbs/05c_edit.ipynb #4c31107c
+def copy_consistent_tokens(source_tokens:torch.Tensor, target_tokens:torch.Tensor, source:torch.Tensor, target:torch.Tensor,
+                           margin:int=1, tolerance:float=0.02, has_source:torch.Tensor|None=None) -> torch.Tensor:
+    "The target's token grid `(B, h, w)` with the source's token wherever the images `(B, C, H, W)` agree (within `tolerance`) on the cell and on every cell up to `margin` away; rows where `has_source` is False are left as they are."
+    B, h, w = target_tokens.shape
+    if source.shape != target.shape or source.shape[-2] % h or source.shape[-1] % w:
+        raise ValueError(f"copy_consistent_tokens: source {tuple(source.shape)} and target {tuple(target.shape)} images must match, "
+                         f"in whole cells of the ({h}, {w}) token grid.")
+    same = ((source - target).abs().amax(1, keepdim=True) <= tolerance).float()                    # (B, 1, H, W)
+    changed = F.adaptive_max_pool2d(1 - same, (h, w))                                             # (B, 1, h, w): any pixel changed
+    near = F.max_pool2d(changed, 2 * margin + 1, stride=1, padding=margin)[:, 0] > 0 if margin else changed[:, 0] > 0
+    keep = ~near
+    if has_source is not None: keep &= has_source.to(keep.device, torch.bool)[:, None, None]
+    return torch.where(keep, source_tokens.view(B, h, w), target_tokens)
+
+@patch
+def loss(self:GPTEditor, model, batch:dict) -> dict:
+    "The text-to-image model's loss on the edited image's tokens; with `source_token_margin` set, on its copy-consistent tokens (`copy_consistent_tokens`)."
+    if self.source_token_margin is not None:
+        if 'pixel_values' not in batch or 'input_pixel_values' not in batch:
+            raise KeyError(f"GPTEditor.loss with source_token_margin={self.source_token_margin} compares the source and edited images: the batch "
+                           f"has keys {sorted(batch)} but needs 'pixel_values' and 'input_pixel_values' (not cached tokens).")
+        x, xs = batch['pixel_values'].to(self.device), batch['input_pixel_values'].to(self.device)
+        with torch.no_grad():
+            tgt, src = self.tokenizer.encode(x), self.tokenizer.encode(xs)
+            tokens = copy_consistent_tokens(src, tgt, xs, x, self.source_token_margin, self.source_token_tolerance, batch.get('has_source'))
+        batch = {**batch, 'tokens': tokens, 'source_tokens': src}
+    return TextToImageGPT.loss(self, model, batch)
 
 # %% ../../nbs/05c_edit.ipynb #e2c291ab
 @patch

@@ -41,6 +41,7 @@ class LatentGPTConfig(PreTrainedConfig):
     mlp_ratio: float = 4.0
     source_tokens: bool = False           # editing: the cross-attention memory also holds a source image's tokens (same codebook and grid)
     aligned_source: bool = False          # editing: each slot also reads the source token of the cell it predicts (zero-initialised projection)
+    source_copy: bool = False             # editing: the output head can also copy source tokens (a pointer over the source cells, zero-initialised gate)
     bias: bool = True                     # biases in linear layers and layer norms
     tie_word_embeddings: bool = False     # share the token embedding with the output head
     initializer_range: float = 0.02
@@ -65,6 +66,7 @@ class LatentGPTConfig(PreTrainedConfig):
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
         if not self.mlp_ratio > 0: bad('mlp_ratio', "must be > 0.")
         if self.aligned_source and not self.source_tokens: bad('aligned_source', "needs source_tokens=True (an editor reads a source image).")
+        if self.source_copy and not self.source_tokens: bad('source_copy', "needs source_tokens=True (an editor reads a source image).")
 
     @property
     def n_positions(self) -> int: return self.token_grid[0] * self.token_grid[1]
@@ -158,10 +160,11 @@ class LatentGPTCache(EncoderDecoderCache):
         super().__init__(DynamicCache(), DynamicCache())
         self.text_mask = None                     # (B, 1, 1, L) bool, or None when every text token is kept
         self.source_slots = None                  # an editor's source read in place (B, N, C), or None
+        self.source_copy = None                   # an editor's copy memory (see LatentGPT.copy_memory), or None
     @property
     def has_text(self) -> bool: return bool(self.is_updated.get(0))
     def reset(self):
-        super().reset(); self.text_mask = self.source_slots = None
+        super().reset(); self.text_mask = self.source_slots = self.source_copy = None
 
 class Block(GradientCheckpointingLayer):
     "Pre-norm transformer block: causal self-attention, cross-attention to the text, MLP."
@@ -216,6 +219,9 @@ class LatentGPT(PreTrainedModel):
             self.src_wte = nn.Embedding(config.vocab_size, C)
             self.null_source = nn.Parameter(torch.zeros(1, C))
             if config.aligned_source: self.src_in = nn.Linear(C, C, bias=False)    # zero at the start: see "Editing" below
+            if config.source_copy:                              # a pointer over the source cells; its gate is zero at the start
+                self.copy_q, self.copy_k = nn.Linear(C, C, bias=False), nn.Linear(C, C, bias=False)
+                self.copy_gate = nn.Linear(C, 1)
         self.post_init()
 
     @torch.no_grad()
@@ -228,6 +234,8 @@ class LatentGPT(PreTrainedModel):
             init.normal_(module.bos, mean=0.0, std=std); init.normal_(module.null_text, mean=0.0, std=std)
             if module.config.source_tokens: init.normal_(module.null_source, mean=0.0, std=std)
             if module.config.source_tokens and module.config.aligned_source: init.zeros_(module.src_in.weight)
+            if module.config.source_tokens and module.config.source_copy:
+                init.zeros_(module.copy_gate.weight); init.zeros_(module.copy_gate.bias)
 
     def get_input_embeddings(self) -> nn.Embedding: return self.wte
     def set_input_embeddings(self, value:nn.Embedding): self.wte = value
@@ -338,20 +346,22 @@ def _forward(self:LatentGPT, input_ids, encoder_hidden_states, cond_mask, encode
     if input_ids is None and encoder_hidden_states is None:
         raise ValueError("LatentGPT: pass input_ids or encoder_hidden_states (the batch size comes from them).")
     B = len(input_ids) if input_ids is not None else len(encoder_hidden_states)
-    slots = None
-    if cache is not None and cache.has_text: text, text_mask, slots = None, cache.text_mask, cache.source_slots
+    slots = copy = None
+    if cache is not None and cache.has_text: text, text_mask, slots, copy = None, cache.text_mask, cache.source_slots, cache.source_copy
     else:
         text, text_mask = self.text_states(encoder_hidden_states, cond_mask, encoder_attention_mask)   # (B, L', C)
         if cfg.source_tokens or source_ids is not None:                                        # editing: + the source (B, N, C)
             text, text_mask = self.with_source(text, text_mask, source_ids, source_mask)
-            slots = self.source_slots(source_ids, source_mask)
-        if cache is not None: cache.text_mask, cache.source_slots = text_mask, slots
+            slots, copy = self.source_slots(source_ids, source_mask), self.copy_memory(source_ids, source_mask)
+        if cache is not None: cache.text_mask, cache.source_slots, cache.source_copy = text_mask, slots, copy
     x = self.embed(input_ids, past_len, B)                                                     # (B, T', C)
     if slots is not None: x = x + slots[:, past_len:past_len + x.shape[1]].to(x.dtype)
     x = self.drop(x)
     if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
     for block in self.blocks: x = block(x, text, text_mask=text_mask, past_key_values=cache, past_len=past_len)
-    logits = self.lm_head(self.ln_f(x))                                                         # (B, T', V)
+    h = self.ln_f(x)
+    logits = self.lm_head(h)                                                                    # (B, T', V)
+    if copy is not None: logits = logits + self.copy_logits(h, copy)                            # editing: + copying the source
     loss = None
     if labels is not None:
         if labels.shape != logits.shape[:2]:
@@ -395,6 +405,27 @@ def source_slots(self:LatentGPT, source_ids:torch.Tensor, source_mask:torch.Tens
     if not (self.config.source_tokens and self.config.aligned_source): return None
     s = self.src_in(self.src_wte(_flat_tokens(source_ids, self.config.token_grid, 'source_ids')))
     return s if source_mask is None else s * source_mask.to(s.device, s.dtype)[:, None, None]
+
+# %% ../../nbs/05a_gpt.ipynb #50dd184e
+@patch
+def copy_memory(self:LatentGPT, source_ids:torch.Tensor, source_mask:torch.Tensor|None=None) -> tuple|None:
+    "What the copy pointer reads, computed once per sequence: the keys `(B, N, C)` of the source cells, their codes `(B, N)` and which rows have a source `(B,)`; None unless `config.source_copy`."
+    cfg, N = self.config, self.n_positions
+    if not (cfg.source_tokens and cfg.source_copy): return None
+    src = _flat_tokens(source_ids, cfg.token_grid, 'source_ids')
+    keys = self.copy_k(self.src_wte(src) + self.positions(0, N, src.device))
+    on = torch.ones(len(src), dtype=torch.bool, device=src.device) if source_mask is None else source_mask.to(src.device, torch.bool)
+    return keys, src, on
+
+@patch
+def copy_logits(self:LatentGPT, h:torch.Tensor, memory:tuple) -> torch.Tensor:
+    "The pointer's logit bias `(B, T, V)` for final states `h` `(B, T, C)`: `copy_gate(h_j)` times slot j's attention over the source cells, summed per code (zero in rows without a source)."
+    keys, src, on = memory
+    B, T, C = h.shape
+    att = (self.copy_q(h) @ keys.transpose(1, 2).to(h.dtype) / math.sqrt(C)).softmax(-1)              # (B, T, N)
+    c = att.new_zeros(B, T, self.config.vocab_size).scatter_add_(-1, src[:, None, :].expand(B, T, -1), att)
+    return self.copy_gate(h) * on.to(h.dtype)[:, None, None] * c
+
 
 # %% ../../nbs/05a_gpt.ipynb #c0508df3
 def _uniforms(generator:torch.Generator|list[torch.Generator]|None, n:int, device:torch.device) -> torch.Tensor:

@@ -20,7 +20,8 @@ from ..grids import to_pil
 
 # %% auto #0
 __all__ = ['VQ_CONFIG_FILE', 'vq_model_config', 'world_size', 'is_main_rank', 'all_reduce_sum', 'broadcast_from_main',
-           'spherical_kmeans', 'EMAQuantizer', 'VQVAEForTraining', 'VQConfig', 'VQVAETask', 'VQTokenizer']
+           'spherical_kmeans', 'EMAQuantizer', 'VQVAEForTraining', 'VQConfig', 'cut_paste', 'locality_loss',
+           'VQVAETask', 'VQTokenizer']
 
 # %% ../../nbs/03b_vq.ipynb #9a71b46f
 def vq_model_config(resolution:int=32, channel_mult:tuple[int, ...]=(1, 2, 4), base_channels:int=16, layers_per_block:int=1,
@@ -177,7 +178,7 @@ def restart_dead(self:EMAQuantizer, z:torch.Tensor, codebook:torch.Tensor, n_tok
 
 # %% ../../nbs/03b_vq.ipynb #11d661bd
 class VQVAEForTraining(nn.Module):
-    "`forward(images) -> (reconstruction, commitment loss, indices, stats)` for a `VQModel` whose codebook `quantizer` trains by EMA."
+    "`forward(images) -> (reconstruction, commitment loss, indices, stats)` for a `VQModel` whose codebook `quantizer` trains by EMA (`pasted`: also the latents of both, see `cut_paste`)."
     def __init__(self, vqmodel:VQModel, quantizer:EMAQuantizer):
         super().__init__()
         shape = tuple(vqmodel.quantize.embedding.weight.shape)
@@ -189,10 +190,12 @@ class VQVAEForTraining(nn.Module):
     @property
     def codebook(self) -> torch.Tensor: return self.vqmodel.quantize.embedding.weight
 
-    def forward(self, images:torch.Tensor):
-        h = self.vqmodel.encode(images).latents                                  # (B, D, h, w)
+    def forward(self, images:torch.Tensor, pasted:torch.Tensor|None=None):
+        h = self.vqmodel.encode(images if pasted is None else torch.cat([images, pasted])).latents   # (B or 2B, D, h, w)
+        if pasted is not None: h, hp = h.chunk(2)                                # the pasted copies are encoded, not quantised
         z_q, commit, idx, stats = self.quantizer(h, self.codebook)
-        return self.vqmodel.decode(z_q, force_not_quantize=True).sample, commit, idx, stats
+        rec = self.vqmodel.decode(z_q, force_not_quantize=True).sample
+        return (rec, commit, idx, stats) if pasted is None else (rec, commit, idx, stats, (h, hp))
 
 # %% ../../nbs/03b_vq.ipynb #8a198838
 @dataclass
@@ -215,6 +218,8 @@ class VQConfig(Config):
     usage_window:int = 20                    # steps over which codebook usage is counted
     l1_weight:float = 1.0                    # weight of the L1 reconstruction loss
     l2_weight:float = 1.0                    # weight of the L2 reconstruction loss
+    locality_weight:float = 0.0              # weight of the locality loss: cells a cut-and-paste elsewhere leaves alone keep their latents (tokens an editor can copy)
+    locality_margin:int = 0                  # cells around the pasted box that may change
 
     presets:ClassVar[dict[str, dict]] = {
         'tiny': {},
@@ -238,15 +243,47 @@ class VQConfig(Config):
         if self.codebook_size < 2: bad('codebook_size', "must be >= 2.")
         if not 0 <= self.codebook_decay < 1: bad('codebook_decay', "must be in [0, 1), e.g. 0.99.")
         if self.codebook_init not in ('kmeans', 'random'): bad('codebook_init', "choose 'kmeans' or 'random'.")
-        for f in ('commitment_weight', 'dead_code_threshold', 'l1_weight', 'l2_weight'):
+        if self.locality_margin < 0: bad('locality_margin', "must be >= 0 (cells around the pasted box left free).")
+        for f in ('commitment_weight', 'dead_code_threshold', 'l1_weight', 'l2_weight', 'locality_weight'):
             if not getattr(self, f) >= 0: bad(f, "must be >= 0.")
         if self.dead_code_threshold >= 1: bad('dead_code_threshold', "must be below 1 (a fraction of a code's fair share of tokens), e.g. 0.1.")
+
+# %% ../../nbs/03b_vq.ipynb #bb0f4667
+def cut_paste(x:torch.Tensor, cell:int, margin:int=0, min_frac:float=0.25, max_frac:float=0.5,
+              generator:torch.Generator|None=None) -> tuple[torch.Tensor, torch.Tensor]:
+    "Images `x` `(B, C, H, W)` with a random box of whole `cell`-pixel cells pasted from the next image of the batch, and the cells `(B, H/cell, W/cell)` farther than `margin` from the box."
+    B, _, H, W = x.shape
+    gh, gw = H // cell, W // cell
+    def box(n):
+        lo, hi = max(1, round(n * min_frac)), max(1, round(n * max_frac))
+        size = torch.randint(lo, hi + 1, (B,), generator=generator)
+        start = (torch.rand(B, generator=generator) * (n - size + 1)).floor().long()
+        i = torch.arange(n)[None]
+        return (i >= start[:, None]) & (i < (start + size)[:, None])                # (B, n)
+    inside = box(gh)[:, :, None] & box(gw)[:, None, :]                              # (B, gh, gw)
+    near = F.max_pool2d(inside[:, None].float(), 2 * margin + 1, stride=1, padding=margin)[:, 0] > 0
+    pix = inside.repeat_interleave(cell, 1).repeat_interleave(cell, 2).to(x.device)   # (B, H, W)
+    return torch.where(pix[:, None], x.roll(1, 0), x), (~near).to(x.device)
+
+def locality_loss(h:torch.Tensor, hp:torch.Tensor, keep:torch.Tensor, codebook:torch.Tensor, idx:torch.Tensor,
+                  stats:dict|None=None) -> tuple[torch.Tensor, dict]:
+    "Mean squared distance of the normalised latents `h`, `hp` `(B, D, h, w)` over the `keep` cells, and `stats` with `token_keep`: the share of those cells whose nearest code (`idx` for `h`) is the same."
+    with torch.autocast(h.device.type, enabled=False):
+        za, zb = F.normalize(h.float(), dim=1), F.normalize(hp.float(), dim=1)
+        d = (za - zb).pow(2).sum(1)                                                   # (B, h, w)
+        k = keep.to(d.dtype)
+        loss = (d * k).sum() / k.sum().clamp_min(1)
+        with torch.no_grad():
+            idx_b = (zb.permute(0, 2, 3, 1) @ codebook.t().float()).argmax(-1)         # (B, h, w)
+            same = (idx_b == idx).float()
+            kept = (same * k).sum() / k.sum().clamp_min(1)
+    return loss, {**(stats or {}), 'locality': loss.detach(), 'token_keep': kept}
 
 # %% ../../nbs/03b_vq.ipynb #20bf9d74
 VQ_CONFIG_FILE = 'vq_config.json'
 
 class VQVAETask:
-    "Task for the shared training loop: L1 + L2 reconstruction + commitment for a `VQModel` whose codebook trains by EMA."
+    "Task for the shared training loop: L1 + L2 reconstruction + commitment (+ locality) for a `VQModel` whose codebook trains by EMA."
     def __init__(self, vqmodel:VQModel, config:VQConfig|None=None, n_samples:int=8):
         self.config = config = config or VQConfig()
         q = EMAQuantizer(config.codebook_size, config.code_dim, config.commitment_weight, config.codebook_decay,
@@ -265,12 +302,17 @@ class VQVAETask:
 
     def loss(self, model:nn.Module, batch) -> dict:
         "Loss of `model` (the loop's prepared `trainable`, or `self.trainable`) on `batch` (images or a dict with 'pixel_values')."
-        x = _images(batch)
-        rec, commit, _, stats = model(x)
+        x, c = _images(batch), self.config
+        if c.locality_weight > 0:
+            pasted, keep = cut_paste(x, c.downsample_factor, margin=c.locality_margin)
+            rec, commit, idx, stats, (h, hp) = model(x, pasted)
+            loc, stats = locality_loss(h, hp, keep, self.trainable.codebook, idx, stats)
+        else: (rec, commit, _, stats), loc = model(x), None
         l1, l2 = (rec.float() - x).abs().mean(), F.mse_loss(rec.float(), x)
-        rec_loss = self.config.l1_weight * l1 + self.config.l2_weight * l2
+        rec_loss = c.l1_weight * l1 + c.l2_weight * l2
         self._last = x[:self.n_samples].detach()
-        return {'loss': rec_loss + commit, 'rec': rec_loss.detach(), 'commit': commit.detach(), **stats}
+        loss = rec_loss + commit + (0 if loc is None else c.locality_weight * loc)
+        return {'loss': loss, 'rec': rec_loss.detach(), 'commit': commit.detach(), **stats}
 
 # %% ../../nbs/03b_vq.ipynb #fd70673a
 @patch

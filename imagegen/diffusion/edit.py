@@ -131,6 +131,10 @@ def from_edit_config(cls:LatentEditor, cfg:EditConfig) -> LatentEditor:
     path, hub = cfg.pretrained_model_name_or_path, dict(cache_dir=cfg.cache_dir, revision=cfg.revision)
     if cfg.token_noise is not None: raise ConfigError(f"--token_noise {cfg.token_noise}: {path} is a diffusion model, which reads no tokens; "
                                                       "token noise is an option of latent GPT editors. Leave it unset.")
+    if cfg.source_token_margin is not None: raise ConfigError(f"--source_token_margin: {path} is a diffusion model, which predicts no tokens; "
+                                                              "copy-consistent targets are an option of latent GPT editors. Leave it unset.")
+    if cfg.source_copy: raise ConfigError(f"--source_copy: {path} is a diffusion model, which has no output tokens to copy; "
+                                          "the copy pointer is an option of latent GPT editors. Leave it unset.")
     unet_in = UNet2DConditionModel.load_config(path, subfolder='unet', **hub)['in_channels']
     latent = AutoencoderKL.load_config(path, subfolder='vae', **hub).get('latent_channels', 4) if unet_in > 4 else None
     kw = dict(train_text_encoder=cfg.train_text_encoder, **hub)
