@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from ..shapes import ShapesOracle
 
 # %% auto #0
-__all__ = ['CONTEXT_HELP', 'REWARDS', 'Reward', 'OracleReward', 'SSIMReward', 'LPIPSReward', 'CLIPScoreReward', 'edit_distance',
-           'quoted_text', 'OCRReward', 'AestheticHead', 'AestheticReward', 'WeightedReward', 'make_reward']
+__all__ = ['CONTEXT_HELP', 'REWARDS', 'Reward', 'OracleReward', 'RelationReward', 'SSIMReward', 'LPIPSReward', 'CLIPScoreReward',
+           'edit_distance', 'quoted_text', 'OCRReward', 'AestheticHead', 'AestheticReward', 'WeightedReward',
+           'make_reward']
 
 # %% ../../nbs/06a_rewards.ipynb #74a64240
 class Reward:
@@ -74,6 +75,22 @@ class OracleReward(Reward):
         return [0.5 * (r['target'] + r['preserved']) + r['correct'] for r in rows]
 
     def __repr__(self): return f"OracleReward(graded={self.graded})"
+
+# %% ../../nbs/06a_rewards.ipynb #a2c7f4da
+class RelationReward(OracleReward):
+    "The Shapes oracle's verdict on the relation of a two-object scene: 1 when both objects are found and placed as the prompt says, else 0."
+    name = 'relation'
+    def __init__(self, oracle:ShapesOracle|None=None): super().__init__(graded=False, oracle=oracle)
+    def check_context(self, n:int, context:dict) -> None: Reward.check_context(self, n, context, ['scenes'])
+    def score(self, images, prompts, scenes=None, **_) -> list[float]:
+        out = []
+        for im, sc in zip(images, scenes, strict=True):
+            if (sc.relation if hasattr(sc, 'relation') else sc.get('relation')) is None:
+                raise UserError("the 'relation' reward scores scenes of two objects with a relation, and this one has none: "
+                                "draw two-object prompts (prompt_level 2) or use the 'oracle' reward.")
+            out.append(float(bool(self.oracle.score(im, sc)['relation'])))
+        return out
+    def __repr__(self): return "RelationReward()"
 
 # %% ../../nbs/06a_rewards.ipynb #bd82d86c
 class SSIMReward(Reward):
@@ -227,7 +244,7 @@ class WeightedReward(Reward):
     def score(self, images, prompts, **context) -> torch.Tensor: return self.parts(images, prompts, **context)[0]
     def __repr__(self): return ' + '.join(f"{w:g}·{r!r}" for r, w in self.terms)
 
-REWARDS = {'oracle': OracleReward, 'ssim': SSIMReward, 'lpips': LPIPSReward, 'clip': CLIPScoreReward, 'ocr': OCRReward,
+REWARDS = {'oracle': OracleReward, 'relation': RelationReward, 'ssim': SSIMReward, 'lpips': LPIPSReward, 'clip': CLIPScoreReward, 'ocr': OCRReward,
            'aesthetic': AestheticReward}
 
 def make_reward(weights:dict[str, float], clip=None, oracle:ShapesOracle|None=None, graded:bool=True,
@@ -237,6 +254,7 @@ def make_reward(weights:dict[str, float], clip=None, oracle:ShapesOracle|None=No
     if unknown: raise ConfigError(f"unknown reward(s) {unknown}: choose from {sorted(REWARDS)}.")
     def build(name):
         if name == 'oracle': return OracleReward(graded=graded, oracle=oracle)
+        if name == 'relation': return RelationReward(oracle=oracle)
         if name == 'clip':
             if clip is None: raise ConfigError("the 'clip' reward needs a CLIP model: a folder or Hub name in transformers format.")
             return CLIPScoreReward(clip)
