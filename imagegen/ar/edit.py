@@ -86,8 +86,7 @@ def copy_consistent_tokens(source_tokens:torch.Tensor, target_tokens:torch.Tenso
                          f"in whole cells of the ({h}, {w}) token grid.")
     same = ((source - target).abs().amax(1, keepdim=True) <= tolerance).float()                    # (B, 1, H, W)
     changed = F.adaptive_max_pool2d(1 - same, (h, w))                                             # (B, 1, h, w): any pixel changed
-    near = F.max_pool2d(changed, 2 * margin + 1, stride=1, padding=margin)[:, 0] > 0 if margin else changed[:, 0] > 0
-    keep = ~near
+    keep = F.max_pool2d(changed, 2 * margin + 1, stride=1, padding=margin)[:, 0] == 0                # no change within `margin` cells
     if has_source is not None: keep &= has_source.to(keep.device, torch.bool)[:, None, None]
     return torch.where(keep, source_tokens.view(B, h, w), target_tokens)
 
