@@ -4,7 +4,7 @@
 
 # %% ../../nbs/02c_loop.ipynb #eb299b1e
 from __future__ import annotations
-import datetime, itertools, json, math, os, random, shutil, signal, sys, threading, time, warnings
+import datetime, itertools, json, math, os, random, re, shutil, signal, sys, threading, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Protocol, runtime_checkable
@@ -699,6 +699,7 @@ class OutOfMemory(UserError, RuntimeError):
 def _out_of_memory(self:Trainer, e:BaseException) -> OutOfMemory:
     cfg, acc = self.cfg, self.acc
     dev = acc.device
+    if dev.type == 'cuda' and dev.index is None: dev = torch.device('cuda', torch.cuda.current_device())
     mem = ''
     if dev.type == 'cuda':
         total = torch.cuda.get_device_properties(dev).total_memory
@@ -710,7 +711,10 @@ def _out_of_memory(self:Trainer, e:BaseException) -> OutOfMemory:
     if acc.mixed_precision == 'no': tips.append("--mixed_precision bf16 (half-size activations; fp16 on GPUs without bf16)")
     if cfg.ema: tips.append("--use_ema false, or keep the EMA on the CPU (it holds a full copy of the weights)")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = re.sub(r'(Tried to allocate [\d.]+ [KMGT]?i?B)\..*', r'\1', first)   # torch goes on with the allocator's bookkeeping
+    ck = latest_checkpoint(self.ckpt_dir)
     return OutOfMemory(f"out of memory at step {self.step} on {dev}{mem}: {first}. The run uses batch_size={b} per process, grad_accum={a}, "
                        f"mixed_precision={acc.mixed_precision}, gradient_checkpointing={cfg.gradient_checkpointing}. To fit, try: "
                        + '; '.join(tips or ['a smaller model preset or more devices']) +
-                       f". The last checkpoint is {latest_checkpoint(self.ckpt_dir)} (resume with --resume_from_checkpoint latest).")
+                       (f". The last checkpoint is {ck} (resume with --resume_from_checkpoint latest)." if ck else
+                        ". No checkpoint was written yet: start again with the new settings."))
