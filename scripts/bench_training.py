@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fastcore.script import call_parse
 from diffusers import UNet2DConditionModel
 from imagegen.text import TextEncoder, tiny_clip_tokenizer
-from imagegen.training.loop import TrainConfig, train
+from imagegen.training.loop import TrainConfig, check_compiled_gradients, train
 
 def tiny_unet(resolution:int=32, channels:int=4, text_dim:int=64, seed:int=0) -> UNet2DConditionModel:
     "A small text-conditioned UNet (attention only at the lower resolution)."
@@ -82,6 +82,25 @@ def bench_fast_paths(steps:int=40, batch_size:int=8, resolution:int=32, mixed_pr
             best[name] = max(best.get(name, 0.0), our_loop(steps, batch_size, resolution, mixed_precision, **{'fused_adamw': False, **kw}))
     return [{'loop': k, 'images/s': v, 'ratio': v / best['all off']} for k, v in best.items()]
 
+def bench_compile(steps:int=40, batch_size:int=8, resolution:int=32, mixed_precision:str='no', repeats:int=2, backend:str='inductor',
+                  modes:tuple=(None, 'reduce-overhead')) -> list[dict]:
+    "Best-of-`repeats` images/s of our loop eager and with `torch_compile` in each of `modes` (fused AdamW in all, as on a GPU); the first 2 updates, which compile, are not timed."
+    best, runs = {}, [('eager', {})] + [(f"torch.compile ({m or 'default'} mode)", dict(torch_compile=True, torch_compile_backend=backend,
+                                                                                      torch_compile_mode=m)) for m in modes]
+    for _ in range(repeats):
+        for name, kw in runs:
+            best[name] = max(best.get(name, 0.0), our_loop(steps, batch_size, resolution, mixed_precision, **kw))
+    return [{'loop': k, 'images/s': v, 'ratio': v / best['eager']} for k, v in best.items()]
+
+def compile_gradients(batch_size:int=8, resolution:int=32, mixed_precision:str='no', backend:str='inductor') -> dict:
+    "`check_compiled_gradients` (no tolerance: the differences are reported) on the benchmark's UNet and one batch, under the run's autocast."
+    import accelerate
+    dev = accelerate.PartialState().device
+    x, e = next(iter(bench_data(batch_size, batch_size, resolution)))
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(mixed_precision)
+    with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+        return check_compiled_gradients(NoisePrediction(tiny_unet(resolution).to(dev)), (x.to(dev), e.to(dev)), rtol=float('inf'), backend=backend)
+
 def table(rows:list[dict], ref:str='bare') -> str:
     "A Markdown table of benchmark rows."
     return '\n'.join([f"| loop | images/s | ratio to {ref} |", "|---|---:|---:|"] +
@@ -144,6 +163,8 @@ def main(steps:int=40, # optimizer updates per run (first 2 untimed)
          text_cache:bool=False, # also time a frozen CLIP text encoder (SD 1.5's shape) run every step against its on-disk cache
          text_layers:int=12, # --text_cache: the CLIP text model's layers
          text_hidden:int=768, # --text_cache: its width
+         torch_compile:bool=False, # also time our loop with TrainConfig.torch_compile (default and reduce-overhead modes) against eager, and compare the gradients
+         compile_backend:str='inductor', # --torch_compile: the torch.compile backend
         ):
     "Print images/s of the shared training loop relative to a bare loop."
     import accelerate
@@ -160,4 +181,11 @@ def main(steps:int=40, # optimizer updates per run (first 2 untimed)
               "read from TextEncoder.cache_to_disk:\n" + table(text, 'encoded every step'))
         print(f"(building that cache, {text[1]['cache_captions']} captions, once per dataset and encoder: {text[1]['cache_build_s']:.1f} s)")
         rows = rows + text
+    if torch_compile:
+        comp = bench_compile(steps, batch_size, resolution, mixed_precision, repeats, compile_backend)
+        g = compile_gradients(batch_size, resolution, mixed_precision, compile_backend)
+        print(f"\nOur loop eager and with torch_compile (backend {compile_backend}; fused AdamW in all):\n" + table(comp, 'eager'))
+        print(f"(gradients of one batch, compiled against eager, mixed precision {mixed_precision}: {g['grad_rel_diff']:.2e} of their norm, "
+              f"worst tensor {g['worst_param']} {g['worst_rel_diff']:.2e}; losses {g['loss_eager']:.6f} / {g['loss_compiled']:.6f})")
+        rows = rows + comp + [{'loop': 'compiled gradients against eager', **g}]
     return rows

@@ -25,7 +25,8 @@ def export_checkpoint(run:str|Path, output_dir:str|Path, step:int|str|None='late
     ckpt = find_checkpoint(run, step)
     check_checkpoint(ckpt)   # every file read safely before anything is loaded
     use_ema = (ema_tensors(ckpt) is not None) if ema == "auto" else bool(ema)
-    task = task_class(info).from_pretrained(initial)
+    cls = task_class(info)
+    task = cls.from_run(initial, info) if hasattr(cls, 'from_run') else cls.from_pretrained(initial)   # from_run: GRPO runs (their LoRA, their stage)
     load_trained_weights(task.trainable, ckpt, ema=use_ema)
     tmp = out.with_name(f".tmp-{out.name}")
     if tmp.exists(): shutil.rmtree(tmp)

@@ -18,7 +18,7 @@ from ..training.loop import derived_seed
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'ddim_step_std', 'ddim_step_with_logprob', 'guided_prediction', 'rollout_scheduler',
-           'diffusion_rollouts', 'diffusion_logprobs', 'DiffusionGRPO']
+           'diffusion_rollouts', 'diffusion_logprobs', 'add_lora', 'save_with_lora', 'DiffusionGRPO']
 
 # %% ../../nbs/06d_diffusion_grpo.ipynb #476b485f
 def ddim_step_std(scheduler:DDIMScheduler, t, eta:float) -> torch.Tensor:
@@ -131,6 +131,25 @@ def diffusion_logprobs(unet, scheduler:DDIMScheduler, latents:torch.Tensor, step
 # %% ../../nbs/06d_diffusion_grpo.ipynb #530cd1d1
 LORA_TARGETS = ('to_k', 'to_q', 'to_v', 'to_out.0')
 
+def add_lora(unet, rank:int, alpha:float|None=None):
+    "LoRA adapters of `rank` (peft, through diffusers' adapter API) on the UNet's attention projections; the base weights frozen."
+    from peft import LoraConfig
+    if rank < 1: raise ConfigError(f"lora_rank={rank}: must be >= 1.")
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights='gaussian', target_modules=list(LORA_TARGETS)))
+
+def save_with_lora(model, path):
+    "`model.save_pretrained(path)` with its UNet's LoRA merged in (so every loader reads it), plus the adapters alone in `pytorch_lora_weights.safetensors` (for `pipe.load_lora_weights`)."
+    from peft.utils import get_peft_model_state_dict
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    unet = model.unet
+    merged = copy.deepcopy(unet); merged.fuse_lora(); merged.unload_lora()
+    model.unet = merged
+    try: model.save_pretrained(path)
+    finally: model.unet = unet
+    StableDiffusionPipeline.save_lora_weights(path, unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet)))
+
 class DiffusionGRPO:
     "GRPO fine-tuning of a latent diffusion model (text-to-image, or an InstructPix2Pix editor on prompts with source images) as a task for the shared loop; full or LoRA."
     def __init__(self, model, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4, guidance_scale:float|None=None,
@@ -159,12 +178,7 @@ class DiffusionGRPO:
         self.train_steps = stochastic[:train_steps] if train_steps else stochastic      # the first (noisiest) steps decide the layout
         model.text_encoder.set_trainable(False)                                          # text states computed once per rollout
         self.lora = lora_rank is not None
-        if self.lora:
-            from peft import LoraConfig
-            if lora_rank < 1: raise ConfigError(f"lora_rank={lora_rank}: must be >= 1.")
-            model.unet.requires_grad_(False)
-            model.unet.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank, init_lora_weights='gaussian',
-                                              target_modules=list(LORA_TARGETS)))
+        if self.lora: add_lora(model.unet, lora_rank, lora_alpha)
         # the KL reference: LoRA's base weights (adapters off), else a frozen copy of the starting UNet
         self.ref = None if self.grpo.kl_coef == 0 or self.lora else copy.deepcopy(model.unet).eval().requires_grad_(False)
         self.trainable, self.sample_prompts = model.unet, model.sample_prompts
@@ -224,15 +238,12 @@ class DiffusionGRPO:
 
     def save_pretrained(self, path):
         "The model's own folder (LoRA merged into the UNet, so every loader reads it); with LoRA also `pytorch_lora_weights.safetensors`, for `pipe.load_lora_weights`."
-        if not self.lora: return self.model.save_pretrained(path)
-        from peft.utils import get_peft_model_state_dict
-        from diffusers import StableDiffusionPipeline
-        from diffusers.utils import convert_state_dict_to_diffusers
-        unet = self.model.unet
-        merged = copy.deepcopy(unet); merged.fuse_lora(); merged.unload_lora()
-        self.model.unet = merged
-        try: self.model.save_pretrained(path)
-        finally: self.model.unet = unet
-        StableDiffusionPipeline.save_lora_weights(path, unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet)))
+        return save_with_lora(self.model, path) if self.lora else self.model.save_pretrained(path)
+
+    @classmethod
+    def from_run(cls, path, info:dict):
+        "The policy of a run of this task rebuilt from the model folder `path` and the run's `run_info.json` (no rewards or prompts needed): what `scripts/export_checkpoint.py` loads a checkpoint into."
+        from .run import GRPOPolicy
+        return GRPOPolicy.from_run(path, info)
 
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)

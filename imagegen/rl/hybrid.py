@@ -179,4 +179,11 @@ def _to(self:HybridGRPO, device) -> HybridGRPO:
 HybridGRPO.loss, HybridGRPO.batches, HybridGRPO.to = _loss, _batches, _to
 HybridGRPO.batch_size = lambda self, batch: len(batch['caption'])
 HybridGRPO.save_pretrained = lambda self, path: self.pipe.save_pretrained(path)
+
+@classmethod
+def _from_run(cls, path, info:dict):
+    "The run's policy rebuilt from the pipeline folder `path` and its `run_info.json` (the stage it trained): what `scripts/export_checkpoint.py` loads a checkpoint into."
+    from .run import GRPOPolicy
+    return GRPOPolicy.from_run(path, info)
+HybridGRPO.from_run = _from_run
 HybridGRPO.sample = lambda self, n=None, step=None, **kw: self.pipe.sample(n, step, **kw)

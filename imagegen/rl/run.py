@@ -15,14 +15,14 @@ from ..config import Config, ConfigError
 from ..diffusion.edit import LatentEditor, is_edit_folder
 from ..diffusion.glide import GLIDE_FILE
 from ..diffusion.ldm import LatentDiffusion
-from .diffusion import DiffusionGRPO
+from .diffusion import DiffusionGRPO, add_lora, save_with_lora
 from .gpt import GPTGRPO
-from .hybrid import STAGES, HybridGRPO
+from .hybrid import STAGES, HybridGRPO, _Stages
 from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts
 from .rewards import make_reward
 
 # %% auto #0
-__all__ = ['GRPORunConfig']
+__all__ = ['GRPORunConfig', 'GRPOPolicy']
 
 # %% ../../nbs/06e_grpo_run.ipynb #6de938be
 @dataclass
@@ -138,3 +138,24 @@ class GRPORunConfig(Config):
                           self.guidance_scale, self.temperature, self.ratio_on, self.num_inference_steps,
                           1.0 if self.decoder_guidance_scale is None else self.decoder_guidance_scale, self.eta, self.train_steps,
                           None, self.inner_steps)
+
+# %% ../../nbs/06e_grpo_run.ipynb #b7e1c0a2
+class GRPOPolicy:
+    "A GRPO run's policy without its rewards and prompts: the model as the run trained it (its LoRA adapters, its stage), with the task's `trainable` and `save_pretrained`."
+    def __init__(self, model, lora_rank:int|None=None, lora_alpha:float|None=None, stage:str|None=None):
+        self.model, self.lora = model, lora_rank is not None
+        if isinstance(model, HybridPipeline):
+            gpt, unet, stage = model.ar.gpt, model.decoder.unet, stage or 'both'
+            self.trainable = gpt if stage == 'ar' else unet if stage == 'decoder' else _Stages(gpt, unet)
+        elif isinstance(model, LatentDiffusion):
+            if self.lora: add_lora(model.unet, lora_rank, lora_alpha)
+            self.trainable = model.unet
+        else: self.trainable = model.gpt
+
+    @classmethod
+    def from_run(cls, path, info:dict) -> GRPOPolicy:
+        "The model folder `path` (a run's `initial_model/`) loaded by its family, with the LoRA rank and the stage recorded in the run's `run_info.json`."
+        m = (info.get('config') or {}).get('model') or {}
+        return cls(GRPORunConfig(pretrained_model_name_or_path=str(path)).load_model(), m.get('lora_rank'), m.get('lora_alpha'), m.get('stage'))
+
+    def save_pretrained(self, path): return save_with_lora(self.model, path) if self.lora else self.model.save_pretrained(path)

@@ -28,13 +28,15 @@ from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX,
 from .tracking import check_tracker, flat_params, run_info, scalars
 
 # %% auto #0
-__all__ = ['MIXED_PRECISION', 'TRACKERS', 'TRAIN_FLAGS', 'TRACKER_FILE', 'INITIAL_MODEL', 'TrainConfig', 'TrainTask',
-           'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer', 'make_accelerator',
-           'TaskStream', 'Trainer', 'mlflow_uri', 'NonFiniteLossError', 'train', 'OutOfMemory']
+__all__ = ['MIXED_PRECISION', 'TRACKERS', 'COMPILE_MODES', 'TRAIN_FLAGS', 'TRACKER_FILE', 'INITIAL_MODEL', 'TrainConfig',
+           'TrainTask', 'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer',
+           'make_accelerator', 'TaskStream', 'Trainer', 'check_compiled_gradients', 'mlflow_uri', 'NonFiniteLossError',
+           'train', 'OutOfMemory']
 
 # %% ../../nbs/02c_loop.ipynb #beaf4262
 MIXED_PRECISION = ('no', 'fp16', 'bf16')
 TRACKERS = ('tensorboard', 'mlflow', 'wandb', 'none')
+COMPILE_MODES = (None, 'default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
 
 @dataclass
 class TrainConfig(Config):
@@ -77,6 +79,9 @@ class TrainConfig(Config):
     allow_tf32: bool = False            # TF32 matmuls and convolutions on Ampere+ GPUs (faster fp32, ~10-bit mantissa)
     fused_adamw: bool|None = None       # AdamW's fused kernel (one launch for all parameters); None: on when the trained weights are on a GPU
     channels_last: bool = False         # convolution weights in channels-last memory format (faster bf16/fp16 convolutions on tensor-core GPUs)
+    torch_compile: bool = False         # torch.compile the trained module (opt-in; check_compiled_gradients compares it with eager first)
+    torch_compile_backend: str = 'inductor'  # torch.compile backend ('aot_eager': traced, no code generation)
+    torch_compile_mode: str|None = None # torch.compile mode: None (default), 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'
 
     presets: ClassVar[dict[str, dict]] = {
         'default': {},
@@ -105,6 +110,7 @@ class TrainConfig(Config):
         if not all(fin(b) and 0 <= b < 1 for b in self.adam_betas): bad('adam_betas', "each must be in [0, 1) (e.g. 0.9,0.999).")
         if self.max_grad_norm is not None and not (fin(self.max_grad_norm) and self.max_grad_norm > 0): bad('max_grad_norm', "must be > 0, or None for no clipping.")
         if not str(self.output_dir).strip(): bad('output_dir', "must name a folder.")
+        if self.torch_compile_mode not in COMPILE_MODES: bad('torch_compile_mode', f"choose one of {COMPILE_MODES}.")
 
 # %% ../../nbs/02c_loop.ipynb #5b824f77
 TRAIN_FLAGS = [
@@ -240,6 +246,11 @@ def _setup(self:Trainer, dataloader):
     self.self_sharded = bool(getattr(dataloader, 'self_sharded', False))
     if self.self_sharded: (self.model, self.opt), self.dl = acc.prepare(model, opt), dataloader
     else: self.model, self.opt, self.dl = acc.prepare(model, opt, dataloader)
+    if cfg.torch_compile:   # after DDP wrapping, as accelerate's own dynamo plugin does; `acc.unwrap_model` sees through both
+        launcher = getattr(getattr(acc.state, 'dynamo_plugin', None), 'backend', None)
+        if launcher is not None and str(getattr(launcher, 'value', launcher)).upper() != 'NO':
+            raise ConfigError("TrainConfig.torch_compile=True and `accelerate launch --dynamo_backend` both compile the model: choose one.")
+        self.model = torch.compile(self.model, backend=cfg.torch_compile_backend, mode=cfg.torch_compile_mode)
     self.max_steps = cfg.max_steps or self._steps_from_epochs()
     # not prepared: stepped once per update, so its state does not depend on the number of processes
     # neither is registered with accelerate (which would pickle them): their state goes to trainer_state.json / ema.safetensors
@@ -255,6 +266,30 @@ def _steps_from_epochs(self:Trainer) -> int:
     try: n = len(self.dl)
     except TypeError: raise ConfigError("TrainConfig.max_steps is required when the data loader has no length (iterable/streaming data).")
     return self.cfg.epochs * math.ceil(n / self.cfg.grad_accum)
+
+# %% ../../nbs/02c_loop.ipynb #c0a1e7b2
+def check_compiled_gradients(task, batch, rtol:float=1e-3, seed:int=0, compile_fn=None, **compile_kwargs) -> dict:
+    "Loss and gradients of `task.trainable` on `batch`, eager and compiled (`compile_fn`, default `torch.compile(**compile_kwargs)`), from the same random state. Raises `AssertionError` naming the worst parameter when the gradients differ by more than `rtol` of their norm; returns the differences."
+    model = task.trainable
+    compiled = compile_fn(model) if compile_fn is not None else torch.compile(model, **compile_kwargs)
+    def run(m):
+        model.zero_grad(set_to_none=True); seed_all(seed)
+        out = task.loss(m, batch)
+        loss = out['loss'] if isinstance(out, dict) else out
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    (l0, g0), (l1, g1) = run(model), run(compiled)
+    model.zero_grad(set_to_none=True)
+    if g0.keys() != g1.keys(): raise AssertionError(f"compiled and eager runs give gradients to different parameters: {sorted(g0.keys() ^ g1.keys())[:5]}")
+    rel = {n: ((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)).item() for n in g0}
+    total = (sum((g1[n] - g0[n]).pow(2).sum() for n in g0).sqrt() / sum(g0[n].pow(2).sum() for n in g0).sqrt().clamp_min(1e-30)).item()
+    worst = max(rel, key=rel.get)
+    res = dict(loss_eager=l0.item(), loss_compiled=l1.item(), grad_rel_diff=total, worst_param=worst, worst_rel_diff=rel[worst])
+    if not total <= rtol:
+        raise AssertionError(f"compiled gradients differ from eager by {total:.2e} of their norm (rtol={rtol}); worst: {worst} ({rel[worst]:.2e}); "
+                             f"losses {res['loss_eager']:.6g} eager, {res['loss_compiled']:.6g} compiled. Train without torch_compile, or try another "
+                             "torch_compile_backend / torch version.")
+    return res
 
 # %% ../../nbs/02c_loop.ipynb #e49d7c44
 @patch
@@ -604,7 +639,8 @@ INITIAL_MODEL = 'initial_model'
 def _save_initial_model(self:Trainer) -> Path|None:
     "A task that can reload itself (`save_pretrained` + `from_pretrained`) is saved once before the first step: the frozen parts and the starting weights, which `scripts/export_checkpoint.py` joins with any checkpoint's trained weights."
     path = self.out/INITIAL_MODEL
-    if not (hasattr(self.task, 'save_pretrained') and hasattr(type(self.task), 'from_pretrained')) or path.exists(): return None
+    reloads = hasattr(type(self.task), 'from_pretrained') or hasattr(type(self.task), 'from_run')   # from_run: rebuilt with run_info.json (GRPO)
+    if not (hasattr(self.task, 'save_pretrained') and reloads) or path.exists(): return None
     if self.acc.is_main_process:
         tmp = self.out/f"{TMP_PREFIX}{INITIAL_MODEL}"
         if tmp.exists(): shutil.rmtree(tmp)
