@@ -281,12 +281,15 @@ def check_compiled_gradients(task, batch, rtol:float=1e-3, seed:int=0, compile_f
     (l0, g0), (l1, g1) = run(model), run(compiled)
     model.zero_grad(set_to_none=True)
     if g0.keys() != g1.keys(): raise AssertionError(f"compiled and eager runs give gradients to different parameters: {sorted(g0.keys() ^ g1.keys())[:5]}")
-    rel = {n: ((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)).item() for n in g0}
-    total = (sum((g1[n] - g0[n]).pow(2).sum() for n in g0).sqrt() / sum(g0[n].pow(2).sum() for n in g0).sqrt().clamp_min(1e-30)).item()
-    worst = max(rel, key=rel.get)
-    res = dict(loss_eager=l0.item(), loss_compiled=l1.item(), grad_rel_diff=total, worst_param=worst, worst_rel_diff=rel[worst])
+    # the tensor that contributes most to the difference (a per-tensor ratio would single out gradients that are zero
+    # in exact arithmetic, such as attention key biases', whose rounding noise is all they have)
+    diff = {n: (g1[n] - g0[n]).pow(2).sum().item() for n in g0}
+    total = (sum(diff.values()) ** 0.5) / max(sum(g0[n].pow(2).sum().item() for n in g0) ** 0.5, 1e-30)
+    worst = max(diff, key=diff.get)
+    share = diff[worst] / max(sum(diff.values()), 1e-300)
+    res = dict(loss_eager=l0.item(), loss_compiled=l1.item(), grad_rel_diff=total, worst_param=worst, worst_share=share)
     if not total <= rtol:
-        raise AssertionError(f"compiled gradients differ from eager by {total:.2e} of their norm (rtol={rtol}); worst: {worst} ({rel[worst]:.2e}); "
+        raise AssertionError(f"compiled gradients differ from eager by {total:.2e} of their norm (rtol={rtol}); {worst} holds {share:.0%} of the difference; "
                              f"losses {res['loss_eager']:.6g} eager, {res['loss_compiled']:.6g} compiled. Train without torch_compile, or try another "
                              "torch_compile_backend / torch version.")
     return res
