@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from dataclasses import dataclass
 from .config import Config, ConfigError, Flag, UserError
-from .shapes import ShapesDataset, flip_caption, flip_scene
+from .shapes import ShapesDataset, ShapesTextDataset, flip_caption, flip_scene
 
 # %% auto #0
 __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'DATA_FLAGS', 'to_rgb', 'BadImage',
@@ -149,7 +149,7 @@ def caption_list(value) -> list[str]:
 
 # %% ../nbs/01a_data.ipynb #33d6ba86
 class ShapesSource(Dataset):
-    "A `ShapesDataset` as samples for the loader (rendered at the target resolution, optional mirror flips)."
+    "A `ShapesDataset` (or `ShapesTextDataset`) as samples for the loader (rendered at the target resolution, optional mirror flips)."
     def __init__(self, shapes:ShapesDataset, flip_p:float=0.):
         self.shapes, self.transform = shapes, ImageTransform(shapes.resolution, flip_p=flip_p)
         self.log = BadSampleLog(repr(shapes))
@@ -515,6 +515,10 @@ def make_dataset(source, resolution:int=32, split:str='train', *, crop:str='cent
     "A dataset of loader samples `{'pixel_values', 'captions', 'scene', 'key'}` from `source` (see the table above)."
     tf = ImageTransform(resolution, crop, flip_p)
     bad = dict(min_side=min_side, max_pixels=max_pixels, max_bad_frac=max_bad_frac)
+    if isinstance(source, str) and (source == 'shapes-text' or source.startswith('shapes-text:')):
+        if flip_p: raise ConfigError(f"{source}: random flips would mirror the words; train the text variant without --random_flip.")
+        opts = {**_parse_options(source.partition(':')[2]), **kwargs}
+        return ShapesSource(ShapesTextDataset(split, resolution=resolution, seed=opts.pop('seed', seed), **opts))
     if isinstance(source, str) and (source == 'shapes' or source.startswith('shapes:')):
         opts = {**_parse_options(source.partition(':')[2]), **kwargs}
         return ShapesSource(ShapesDataset(split, resolution=resolution, seed=opts.pop('seed', seed), **opts), flip_p=flip_p)

@@ -14,9 +14,10 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['SHAPES', 'COLORS', 'BACKGROUNDS', 'SIZES', 'SIZE_THRESHOLD', 'POSITIONS', 'RELATIONS', 'SPLITS', 'CROSS_ARM',
            'JITTER', 'COLOR_WORDS', 'SHAPE_WORDS', 'SIZE_WORDS', 'POSITION_WORDS', 'RELATION_WORDS', 'INVERSE_RELATION',
-           'HELD_OUT', 'DEFAULT_N', 'CATEGORIES', 'WORDS', 'ShapeObject', 'Scene', 'render', 'captions', 'prompt',
-           'flip_scene', 'flip_caption', 'color_shape_pairs', 'sample_scene', 'ShapesDataset', 'to_array',
-           'ShapesOracle', 'match_objects', 'degrade', 'text_prompt', 'render_text']
+           'HELD_OUT', 'DEFAULT_N', 'CATEGORIES', 'WORDS', 'TEXT_HELD_OUT', 'TEXT_JITTER', 'ShapeObject', 'Scene',
+           'render', 'captions', 'prompt', 'flip_scene', 'flip_caption', 'color_shape_pairs', 'sample_scene',
+           'ShapesDataset', 'to_array', 'ShapesOracle', 'match_objects', 'degrade', 'text_prompt', 'render_text',
+           'text_pairs', 'text_captions', 'ShapesTextDataset']
 
 # %% ../nbs/01_shapes.ipynb #43da5178
 SHAPES = ('circle', 'square', 'triangle', 'cross')
@@ -424,8 +425,8 @@ def text_prompt(word:str, color:str) -> str:
     "The caption of a rendered word: `the word \"cat\" written in blue`."
     return f'the word "{word}" written in {color}'
 
-def render_text(word:str, resolution:int=64, color:str='blue', background:str='light gray') -> Image.Image:
-    "`word` centred on the background in colour `color`, about half the canvas wide."
+def render_text(word:str, resolution:int=64, color:str='blue', background:str='light gray', dx:float=0., dy:float=0.) -> Image.Image:
+    "`word` centred on the background (shifted by `dx`, `dy` of the canvas) in colour `color`, about half the canvas wide."
     from PIL import ImageFont
     if color not in COLORS: raise ValueError(f"Unknown colour {color!r}: use one of {list(COLORS)}.")
     if not word or not word.isprintable(): raise ValueError(f"render_text needs a printable word, got {word!r}.")
@@ -434,5 +435,40 @@ def render_text(word:str, resolution:int=64, color:str='blue', background:str='l
     size = max(6, int(resolution * 0.9 / max(len(word), 2)))            # about 0.45 of the width per 2 letters
     font = ImageFont.load_default(size=size)
     x0, y0, x1, y1 = draw.textbbox((0, 0), word, font=font)
-    draw.text(((resolution - (x1 - x0)) / 2 - x0, (resolution - (y1 - y0)) / 2 - y0), word, fill=COLORS[color], font=font)
+    draw.text(((resolution - (x1 - x0)) / 2 - x0 + dx * resolution, (resolution - (y1 - y0)) / 2 - y0 + dy * resolution), word,
+              fill=COLORS[color], font=font)
     return im
+
+# %% ../nbs/01_shapes.ipynb #d7a10002
+TEXT_HELD_OUT = tuple((w, list(COLORS)[i % len(COLORS)]) for i, w in enumerate(WORDS))   # each word in one colour
+TEXT_JITTER = 0.06                                                                      # max offset of a word (fraction of the canvas)
+
+def text_pairs(split:str, held_out=TEXT_HELD_OUT) -> list[tuple[str, str]]:
+    "The (word, colour) pairs a split draws from: the held-out pairs for 'test', all others otherwise."
+    if split not in SPLITS: raise ValueError(f"Unknown split {split!r}: use one of {SPLITS}.")
+    held = {tuple(p) for p in held_out}
+    return [p for p in held_out] if split == 'test' else [(w, c) for w in WORDS for c in COLORS if (w, c) not in held]
+
+def text_captions(word:str, color:str) -> list[str]:
+    "Three captions of a rendered word; the first is `text_prompt`'s."
+    return [text_prompt(word, color), f'"{word}" in {color} letters', f'the text "{word}", {color}']
+
+class ShapesTextDataset(torch.utils.data.Dataset):
+    "Rendered words of one split's word-colour pairs (`text_pairs`), each with a small random offset, rendered on demand."
+    def __init__(self, split:str='train', resolution:int=32, n:int|None=None, seed:int=0, held_out=TEXT_HELD_OUT):
+        self.pairs = text_pairs(split, held_out)
+        if resolution < 16: raise ValueError(f"the text variant needs a resolution of at least 16 px, got {resolution}.")
+        self.split, self.resolution, self.seed = split, int(resolution), int(seed)
+        self.n = DEFAULT_N[split] if n is None else int(n)
+    def __len__(self) -> int: return self.n
+    def item(self, i:int) -> tuple[str, str, float, float]:
+        "Word, colour and offset of item `i`."
+        if not -self.n <= i < self.n: raise IndexError(f"index {i} out of range for a ShapesTextDataset of {self.n} items")
+        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), 7, i % self.n])
+        w, c = self.pairs[int(rng.integers(len(self.pairs)))]
+        dx, dy = rng.uniform(-TEXT_JITTER, TEXT_JITTER, 2)
+        return w, c, float(dx), float(dy)
+    def __getitem__(self, i:int) -> dict:
+        w, c, dx, dy = self.item(i)
+        return {'image': render_text(w, self.resolution, c, dx=dx, dy=dy), 'captions': text_captions(w, c), 'scene': None, 'text': w}
+    def __repr__(self): return f"ShapesTextDataset(split={self.split!r}, resolution={self.resolution}, n={self.n}, seed={self.seed})"

@@ -110,6 +110,22 @@ def log_to_training_run(metrics:dict, model_dir:str|Path|None, grid:Path|None=No
         return f"TensorBoard {tr['log_dir']}, step {step}"
     return None
 
+def ocr_metrics(rows:list[dict], mode:str='auto') -> dict:
+    "Tesseract's reading of each image against the word quoted in its prompt (the OCR reward, `imagegen.rl.rewards.OCRReward`): mean accuracy (1 - edit distance / length) and the share read exactly. Mode 'auto': only where every prompt quotes a word and Tesseract is installed; 'on': refuse otherwise; 'off': nothing."
+    from imagegen.rl.rewards import OCRReward, quoted_text
+    from imagegen.config import UserError
+    if mode == 'off': return {}
+    texts = [quoted_text(r['prompt']) for r in rows]
+    if any(t is None for t in texts):
+        if mode == 'on': raise ValueError("--ocr on: every prompt must quote the word to read (as the Shapes text variant's do).")
+        return {}
+    try: reward = OCRReward()
+    except UserError as e:
+        if mode == 'on': raise
+        print(f"OCR skipped: {e}"); return {}
+    scores = reward.score([r['image'] for r in rows], [r['prompt'] for r in rows], texts=texts)
+    return {'ocr/accuracy': float(np.mean(scores)), 'ocr/exact': float(np.mean([s == 1.0 for s in scores])), 'ocr/n': len(rows)}
+
 def upsampler_check(path:str|Path, rows:list[dict], steps:int=25, sampler:str='ddpm', batch_size:int=16) -> dict:
     "The upsampler at `path` on the true renders of the rows' scenes: PSNR/SSIM against them (and bicubic's), and the oracle on its images."
     from imagegen.diffusion.upsampler import GlideUpsampler, upsampler_report
@@ -135,6 +151,8 @@ def parse_args(argv:list[str]|None=None):
     p.add_argument('--upsampler_steps', type=int, default=25, help="sampling steps of --upsampler")
     p.add_argument('--upsampler_sampler', default='ddpm', help="sampler of --upsampler")
     p.add_argument('--upsampler_batch_size', type=int, default=16, help="images per forward pass of --upsampler (on a CPU, small batches run faster per image)")
+    p.add_argument('--ocr', default='auto', choices=('auto', 'on', 'off'),
+                   help="read the word quoted in each prompt back from its image with Tesseract (auto: where every prompt quotes one and Tesseract is installed)")
     p.add_argument('--log_to_run', default=True, type=str2bool, help="also log the metrics into the MLflow run / TensorBoard folder of the run that trained the model")
     return p.parse_args(argv)
 
@@ -163,6 +181,7 @@ def main(argv:list[str]|None=None) -> dict|None:
         if not has_scenes: raise ValueError("--upsampler is scored on the true renders of Shapes scenes: sample with --shapes_split.")
         m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler, a.upsampler_batch_size))
     if has_edits: m.update(edit_metrics(rows, ae))
+    m.update(ocr_metrics(rows, a.ocr))
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
     if has_edits:
@@ -182,6 +201,8 @@ def main(argv:list[str]|None=None) -> dict|None:
     if 'first_stage/codebook_usage' in m:
         print(f"codebook usage on the true images: {m['first_stage/codebook_usage']:.3f} of {m['first_stage/codebook_size']} codes "
               f"(perplexity {m['first_stage/codebook_perplexity']:.1f}, {m['first_stage/tokens']} tokens)")
+    if 'ocr/accuracy' in m:
+        print(f"OCR (Tesseract reading the quoted word): accuracy {m['ocr/accuracy']:.3f}, exactly right {m['ocr/exact']:.3f} of {m['ocr/n']} images")
     if 'fid' in m: print(f"FID {m['fid']:.2f}  KID {m['kid_mean']:.4f} ({m['fid_features']})")
     if 'upsampler/psnr' in m:
         print(f"upsampler on true {m['upsampler/low_res']}->{m['upsampler/resolution']} px renders: PSNR {m['upsampler/psnr']:.2f} dB, SSIM {m['upsampler/ssim']:.3f} "

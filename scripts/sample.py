@@ -19,13 +19,16 @@ from imagegen.diffusion.upsampler import GlideUpsampler
 from imagegen.metrics import best_of_n, clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
 from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
-from imagegen.shapes import ShapesDataset, ShapesOracle, prompt as scene_prompt
+from imagegen.shapes import ShapesDataset, ShapesOracle, ShapesTextDataset, prompt as scene_prompt, text_prompt
 from imagegen.data import open_image
 from imagegen.edits import ShapesEdits
 
 def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:str|None=None, shapes_level:int=1,
-                n:int=64, seed:int=0) -> tuple[list[str], list[dict|None]]:
-    "Prompts (and Shapes scenes where known) from `--prompts a|b`, a file with one prompt per line, or a Shapes split."
+                n:int=64, seed:int=0, shapes_text_split:str|None=None) -> tuple[list[str], list[dict|None]]:
+    "Prompts (and Shapes scenes where known) from `--prompts a|b`, a file with one prompt per line, a Shapes split, or a split of the text variant (its words quoted in the prompts, which `evaluate.py` reads back with OCR)."
+    if shapes_text_split:
+        ds = ShapesTextDataset(shapes_text_split, n=n, seed=seed)
+        return [text_prompt(*ds.item(i)[:2]) for i in range(len(ds))], [None] * len(ds)
     if shapes_split:
         ds = ShapesDataset(shapes_split, shapes_level, n=n, seed=seed)
         scenes = [ds.scene(i) for i in range(len(ds))]
@@ -158,6 +161,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
          prompt_file:str=None, # text file with one prompt per line
          shapes_split:str=None, # use the prompts of this Shapes split instead ('test' holds unseen colour-shape pairs)
          shapes_level:int=1, # Shapes difficulty: 1 one object, 2 two objects with a relation
+         shapes_text_split:str=None, # the prompts of this split of the Shapes text variant, a quoted word in a colour ('test': word-colour pairs no training image shows; evaluate.py reads the words with OCR)
          n:int=64, # number of Shapes prompts
          guidance:float=None, # classifier-free guidance scale (1 = off; default: 4 latent diffusion, 3 GLIDE, the model's own for a GPT)
          seed:int=0, # image i uses seed + i
@@ -195,7 +199,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
     if (source_image or shapes_edit_split) and not family.endswith('edit'):
         raise ConfigError(f"--source_image and --shapes_edit_split go with an editor (the model/ of a train_edit.py run); {model} is a {family} text-to-image model.")
     if family.endswith('edit'):
-        if candidates > 1 or upsampler or shapes_split:
+        if candidates > 1 or upsampler or shapes_split or shapes_text_split:
             raise ConfigError(f"{model} is an editor: it takes --source_image with --prompts, or --shapes_edit_split (not --shapes_split, --candidates or --upsampler).")
         if family == 'ldm-edit':
             kw = dict(guidance_scale=4.0 if guidance is None else guidance, image_guidance_scale=1.5 if image_guidance is None else image_guidance,
@@ -213,7 +217,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
         raise ConfigError(f"--upsampler goes with a GLIDE base model; {model} is a {family} model.")
     hybrid = m if family == 'hybrid' else None
     if hybrid: family, m = 'gpt', hybrid.ar         # the AR stage samples as a latent GPT, its decoder upsamples below
-    ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed)
+    ps, scenes = prompt_list(prompts, prompt_file, shapes_split, shapes_level, n, seed, shapes_text_split)
     N = candidates   # candidate j of prompt i has seed seed + i*N + j (seed + i without re-ranking)
     ps_x, sc_x = [p for p in ps for _ in range(N)], [s for s in scenes for _ in range(N)]
     seeds_x = [seed + i * N + j for i in range(len(ps)) for j in range(N)]

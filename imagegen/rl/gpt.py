@@ -157,4 +157,5 @@ class GPTGRPO:
         "The policy of a run of this task rebuilt from the model folder `path` and the run's `run_info.json` (no rewards or prompts needed): what `scripts/export_checkpoint.py` loads a checkpoint into."
         from .run import GRPOPolicy
         return GRPOPolicy.from_run(path, info)
+
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)

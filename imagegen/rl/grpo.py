@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np, torch
 from ..config import Config, ConfigError
 from pathlib import Path
-from ..shapes import COLORS, HELD_OUT, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_prompt
+from ..shapes import COLORS, HELD_OUT, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_pairs, text_prompt
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
@@ -149,16 +149,19 @@ class ShapesEditPrompts:
 # %% ../../nbs/06b_grpo.ipynb #6af44fbf
 class ShapesTextPrompts:
     "`prompts(n, seed)` -> n prompts asking for a rendered word, and `{'texts': [...]}` (the words)."
-    def __init__(self, words=WORDS, colors=None):
-        self.words, self.colors = tuple(words), tuple(colors or COLORS)
+    def __init__(self, words=WORDS, colors=None, split:str|None=None):
+        self.words, self.colors, self.split = tuple(words), tuple(colors or COLORS), split
         if bad := [c for c in self.colors if c not in COLORS]: raise ConfigError(f"unknown colours {bad}: use some of {list(COLORS)}.")
         if not self.words: raise ConfigError("ShapesTextPrompts needs at least one word.")
+        try: pairs = text_pairs(split) if split else [(w, c) for w in self.words for c in self.colors]
+        except ValueError as e: raise ConfigError(str(e)) from None
+        self.pairs = [(w, c) for w, c in pairs if w in self.words and c in self.colors]
+        if not self.pairs: raise ConfigError(f"ShapesTextPrompts: no word-colour pair of split {split!r} among these words and colours.")
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
-        ws = [self.words[int(i)] for i in rng.integers(len(self.words), size=n)]
-        cs = [self.colors[int(i)] for i in rng.integers(len(self.colors), size=n)]
-        return [text_prompt(w, c) for w, c in zip(ws, cs)], {'texts': ws}
-    def __repr__(self): return f"ShapesTextPrompts({len(self.words)} words, {len(self.colors)} colours)"
+        ws, cs = zip(*[self.pairs[int(i)] for i in rng.integers(len(self.pairs), size=n)]) if n else ((), ())
+        return [text_prompt(w, c) for w, c in zip(ws, cs)], {'texts': list(ws)}
+    def __repr__(self): return f"ShapesTextPrompts({len(self.pairs)} word-colour pairs{f' of {self.split!r}' if self.split else ''})"
 
 # %% ../../nbs/06b_grpo.ipynb #1edbad85
 class PromptFile:

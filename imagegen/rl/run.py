@@ -34,7 +34,7 @@ class GRPORunConfig(Config):
     clip_model: str|None = None               # the 'clip' and 'aesthetic' rewards' CLIP model (a folder or Hub id in transformers format)
     aesthetic_head: str|None = None           # the 'aesthetic' reward's head: a state dict of LAION's layout (sac+logos+ava1-l14-linearMSE.pth)
     prompts: str = 'shapes'                   # 'shapes' (Shapes scenes, scored by the oracle), 'shapes-text' (words to render, for the OCR reward) or a text file with one prompt per line
-    prompt_split: str = 'train'               # Shapes prompts: the split ('test': the colour-shape pairs the supervised data never shows)
+    prompt_split: str = 'train'               # Shapes prompts (and shapes-text): the split ('test': the colour-shape or word-colour pairs the supervised data never shows)
     prompt_level: int = 1                     # Shapes prompts: objects per scene (1 or 2)
     prompt_pairs: list[str]|None = None       # Shapes prompts: only these 'colour shape' pairs of the split
     prompts_per_step: int = 4                 # prompts per rollout on each process, each sampled group_size times
@@ -76,7 +76,7 @@ class GRPORunConfig(Config):
             if editor: return ShapesEditPrompts(self.prompt_split, self.prompt_pairs, resolution)
             return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs)
         if editor: raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits); {self.prompts!r} gives none.")
-        if self.prompts == 'shapes-text': return ShapesTextPrompts()
+        if self.prompts == 'shapes-text': return ShapesTextPrompts(split=self.prompt_split)
         if self.prompt_pairs: raise ConfigError("prompt_pairs narrows Shapes prompts; it does not apply to a prompt file.")
         return PromptFile(self.prompts)
 

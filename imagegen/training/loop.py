@@ -79,7 +79,7 @@ class TrainConfig(Config):
     allow_tf32: bool = False            # TF32 matmuls and convolutions on Ampere+ GPUs (faster fp32, ~10-bit mantissa)
     fused_adamw: bool|None = None       # AdamW's fused kernel (one launch for all parameters); None: on when the trained weights are on a GPU
     channels_last: bool = False         # convolution weights in channels-last memory format (faster bf16/fp16 convolutions on tensor-core GPUs)
-    torch_compile: bool = False         # torch.compile the trained module (opt-in; check_compiled_gradients compares it with eager first)
+    torch_compile: bool = False         # torch.compile the trained module (opt-in; check_compiled_gradients compares a model's compiled gradients with eager)
     torch_compile_backend: str = 'inductor'  # torch.compile backend ('aot_eager': traced, no code generation)
     torch_compile_mode: str|None = None # torch.compile mode: None (default), 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'
 
