@@ -165,7 +165,9 @@ def test_diffusion_grpo_two_ranks_match_one_rank(tmp_path):
         assert (lo2, hi2) != (1.0, 1.0), f"rank {r}: the second update did not move the ratio"
     assert seen[0][0][2] != seen[1][0][2], "both ranks trained on the same group"
     joint = json.loads((tmp_path/'joint'/'seen_rank0.json').read_text())
-    assert joint[0][2] == seen[0][0][2] + seen[1][0][2] and joint[0][:2] == [1.0, 1.0]
+    # the joint run scores both groups in one batch of 8, where the rollouts scored them in batches of 4: exact 1.0 there
+    # would ask convolutions to round alike at both batch sizes, which they do not with one thread, so within rounding
+    assert joint[0][2] == seen[0][0][2] + seen[1][0][2] and all(abs(x - 1.0) < 1e-5 for x in joint[0][:2]), joint[0][:2]
     a, b = (LatentDiffusion.from_pretrained(tmp_path/m/'model').unet for m in ('split', 'joint'))
     flat = lambda u: torch.cat([p.detach().flatten() for p in u.parameters()])
     torch.manual_seed(0)                                                         # the starting model, as the script builds it
