@@ -77,7 +77,7 @@ def test_example_configs_resolve(path):
         m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward) == ('train', 2, None, {'oracle': 1.0})
         assert (run_['train'].max_steps, run_['grpo'].group_size, run_['grpo'].kl_coef, run_['train'].lr) == (200, 8, 0.04, 1e-5 if ldm else 3e-5)
-    elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe (README): the text variant's training pairs, Tesseract's reading as reward
+    elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe: the text variant's training pairs, Tesseract's reading as reward
         m = run_['model']
         assert (m.prompts, m.prompt_split, m.reward, m.num_inference_steps, m.train_steps) == ('shapes-text', 'train', {'ocr': 1.0}, 10, 5)
         assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef) == (150, 3e-5, 8, 0.04)
