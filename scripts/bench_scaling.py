@@ -17,14 +17,16 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
     from imagegen.training.loop import TrainConfig, make_accelerator, train
     bt = _bench_training()
     with tempfile.TemporaryDirectory() as d:
+        # a step with a non-finite gradient is skipped and counted (the loop's guard), not the end of a throughput run
         cfg = TrainConfig(output_dir=d, max_steps=steps, lr=1e-4, lr_scheduler='constant', tracker='none', checkpoint_every=None,
-                          save_model=False, log_every=10, mixed_precision=mixed_precision, resume=None)
+                          save_model=False, log_every=10, mixed_precision=mixed_precision, resume=None,
+                          nan_max_consecutive=steps, nan_max_total=steps)
         acc = make_accelerator(cfg)   # the launch's ranks (a bare PartialState on CPU ranks can see one)
         n = acc.num_processes
         res = train(bt.NoisePrediction(bt.tiny_unet(resolution)), bt.bench_data(steps * batch_size * n, batch_size, resolution), cfg, accelerator=acc)
     if acc.is_main_process:
         dev = torch.cuda.get_device_name(acc.device) if acc.device.type == 'cuda' else 'cpu'
-        Path(out).write_text(json.dumps({'processes': n, 'images_per_s': res['images_per_s'], 'device': dev}))
+        Path(out).write_text(json.dumps({'processes': n, 'images_per_s': res['images_per_s'], 'device': dev, 'bad_steps': res['bad_steps']}))
 
 def _port() -> int:
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -83,5 +85,7 @@ def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: a
     counts = [int(x) for x in str(num_processes).split(',') if x.strip()]
     rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision)
     print(f"steps {steps}, batch {batch_size} per process, {resolution} px latents, mixed precision {mixed_precision}\n" + table(rows))
+    if bad := [f"{r['processes']} process(es): {r['bad_steps']}" for r in rows if r.get('bad_steps')]:
+        print("steps skipped for a non-finite loss or gradient (timed all the same): " + ', '.join(bad))
     if json_out: Path(json_out).write_text(json.dumps(rows, indent=1))
     return rows
