@@ -446,8 +446,9 @@ TEXT_JITTER = 0.06                                                              
 def text_pairs(split:str, held_out=TEXT_HELD_OUT) -> list[tuple[str, str]]:
     "The (word, colour) pairs a split draws from: the held-out pairs for 'test', all others otherwise."
     if split not in SPLITS: raise ValueError(f"Unknown split {split!r}: use one of {SPLITS}.")
+    if split == 'test': return [tuple(p) for p in held_out]
     held = {tuple(p) for p in held_out}
-    return [p for p in held_out] if split == 'test' else [(w, c) for w in WORDS for c in COLORS if (w, c) not in held]
+    return [(w, c) for w in WORDS for c in COLORS if (w, c) not in held]
 
 def text_captions(word:str, color:str) -> list[str]:
     "Three captions of a rendered word; the first is `text_prompt`'s."

@@ -12,7 +12,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..config import ConfigError, UserError
 from ..diffusion.sampling import make_scheduler
 from ..edits import prepare_sources
-from .grpo import GRPOConfig, clipped_objective, group_advantages
+from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
 from ..training.loop import derived_seed
 
@@ -150,7 +150,7 @@ def save_with_lora(model, path):
     finally: model.unet = unet
     StableDiffusionPipeline.save_lora_weights(path, unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet)))
 
-class DiffusionGRPO:
+class DiffusionGRPO(RunPolicy):
     "GRPO fine-tuning of a latent diffusion model (text-to-image, or an InstructPix2Pix editor on prompts with source images) as a task for the shared loop; full or LoRA."
     def __init__(self, model, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4, guidance_scale:float|None=None,
                  num_inference_steps:int=10, eta:float=1.0, train_steps:int|None=None, inner_steps:int=1,
@@ -240,10 +240,5 @@ class DiffusionGRPO:
         "The model's own folder (LoRA merged into the UNet, so every loader reads it); with LoRA also `pytorch_lora_weights.safetensors`, for `pipe.load_lora_weights`."
         return save_with_lora(self.model, path) if self.lora else self.model.save_pretrained(path)
 
-    @classmethod
-    def from_run(cls, path, info:dict):
-        "The policy of a run of this task rebuilt from the model folder `path` and the run's `run_info.json` (no rewards or prompts needed): what `scripts/export_checkpoint.py` loads a checkpoint into."
-        from .run import GRPOPolicy
-        return GRPOPolicy.from_run(path, info)
 
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)

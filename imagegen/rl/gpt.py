@@ -10,7 +10,7 @@ import copy
 from ..ar.task import GPTConfig, TextToImageGPT
 from ..config import ConfigError, UserError
 from ..edits import prepare_sources
-from .grpo import GRPOConfig, clipped_objective, group_advantages
+from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
 from ..training.loop import derived_seed
 
@@ -85,7 +85,7 @@ def gpt_logprobs(model:TextToImageGPT, tokens:torch.Tensor, prompts:Sequence[str
     finally: module.train(was)
 
 # %% ../../nbs/06c_gpt_grpo.ipynb #3f15cf0f
-class GPTGRPO:
+class GPTGRPO(RunPolicy):
     "GRPO fine-tuning of a latent GPT (text-to-image, or an editor on prompts with source images) as a task for the shared loop: `train(GPTGRPO(...), None, train_cfg)`."
     def __init__(self, model:TextToImageGPT, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4,
                  guidance_scale:float|None=None, temperature:float|None=None, ratio_on:str='guided', inner_steps:int=1,
@@ -152,10 +152,5 @@ class GPTGRPO:
         return self
     def save_pretrained(self, path): return self.model.save_pretrained(path)
 
-    @classmethod
-    def from_run(cls, path, info:dict):
-        "The policy of a run of this task rebuilt from the model folder `path` and the run's `run_info.json` (no rewards or prompts needed): what `scripts/export_checkpoint.py` loads a checkpoint into."
-        from .run import GRPOPolicy
-        return GRPOPolicy.from_run(path, info)
 
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)

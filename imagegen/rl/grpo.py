@@ -12,8 +12,8 @@ from ..shapes import COLORS, HELD_OUT, SHAPES, WORDS, color_shape_pairs, prompt,
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
-__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'parse_pairs', 'held_out_for', 'unseen_pairs', 'redraw_until',
-           'scene_pairs', 'ShapesPrompts', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
+__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'parse_pairs', 'held_out_for', 'unseen_pairs',
+           'redraw_until', 'scene_pairs', 'ShapesPrompts', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -74,6 +74,15 @@ def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor
         loss = loss + kl_coef * kl
         stats['kl_ref'] = kl.item()
     return loss, stats
+
+# %% ../../nbs/06b_grpo.ipynb #b06b0e01
+class RunPolicy:
+    "What every GRPO task shares for export: `from_run(path, info)` rebuilds a run's policy from its `initial_model/` and `run_info.json` (`imagegen.rl.run.GRPOPolicy`) for `scripts/export_checkpoint.py`."
+    @classmethod
+    def from_run(cls, path, info:dict):
+        "The run's policy: the model folder `path` with the LoRA adapters or stage recorded in `info` (no rewards or prompts needed)."
+        from imagegen.rl.run import GRPOPolicy
+        return GRPOPolicy.from_run(path, info)
 
 # %% ../../nbs/06b_grpo.ipynb #aff542a0
 def parse_pairs(pairs, split:str) -> list[tuple[str, str]]:

@@ -13,7 +13,7 @@ from ..hybrid import HybridPipeline
 from ..config import ConfigError, UserError
 from .diffusion import ddim_step_std, ddim_step_with_logprob, diffusion_logprobs, guided_prediction, rollout_scheduler
 from .gpt import gpt_logprobs, gpt_rollouts, sampling_settings
-from .grpo import GRPOConfig, clipped_objective, group_advantages
+from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
 from ..training.loop import derived_seed
 
@@ -67,7 +67,7 @@ class _Route(nn.Module):
 
 def _weighted(r) -> WeightedReward: return r if isinstance(r, WeightedReward) else WeightedReward([(r, 1.0)])
 
-class HybridGRPO:
+class HybridGRPO(RunPolicy):
     "GRPO fine-tuning of a `HybridPipeline` for the shared loop: the AR stage, the decoder stage, or both, each with its own rewards."
     def __init__(self, pipeline:HybridPipeline, ar_reward:Reward, prompts, decoder_reward:Reward|None=None, stage:str='both',
                  grpo:GRPOConfig|None=None, prompts_per_step:int=2, decoder_group_size:int=2, guidance_scale:float|None=None,
@@ -179,11 +179,4 @@ def _to(self:HybridGRPO, device) -> HybridGRPO:
 HybridGRPO.loss, HybridGRPO.batches, HybridGRPO.to = _loss, _batches, _to
 HybridGRPO.batch_size = lambda self, batch: len(batch['caption'])
 HybridGRPO.save_pretrained = lambda self, path: self.pipe.save_pretrained(path)
-
-@classmethod
-def _from_run(cls, path, info:dict):
-    "The run's policy rebuilt from the pipeline folder `path` and its `run_info.json` (the stage it trained): what `scripts/export_checkpoint.py` loads a checkpoint into."
-    from .run import GRPOPolicy
-    return GRPOPolicy.from_run(path, info)
-HybridGRPO.from_run = _from_run
 HybridGRPO.sample = lambda self, n=None, step=None, **kw: self.pipe.sample(n, step, **kw)
