@@ -172,8 +172,8 @@ class ShapesEdits(torch.utils.data.Dataset):
     def __repr__(self): return f"ShapesEdits(split={self.split!r}, resolution={self.resolution}, n={self.n}, seed={self.seed})"
 
 # %% ../nbs/01c_edits.ipynb #d28c0fc2
-def score_edit(oracle:ShapesOracle, image, edit:ShapeEdit|dict) -> dict:
-    "Booleans `target` (the requested change is there), `preserved` (nothing else changed), `correct` (both), `count`."
+def score_edit(oracle:ShapesOracle, image, edit:ShapeEdit|dict, held_out=HELD_OUT) -> dict:
+    "Booleans `target` (the requested change is there), `preserved` (nothing else changed), `correct` (both), `count`, and `held_out_as_trained` (a target object of a `held_out` colour–shape pair came out as another pair, one that is not held out)."
     e = ShapeEdit.from_dict(edit)
     det = oracle.detect(image)
     objs = e.target.objects
@@ -187,7 +187,11 @@ def score_edit(oracle:ShapesOracle, image, edit:ShapeEdit|dict) -> dict:
         gone = [o.color for o in e.source.objects if o.color not in {t.color for t in objs}]
         target = count and not any(d['color'] in gone for d in det)
     preserved = all(v for k, v in ok.items() if k not in changed)
-    return {'target': bool(target), 'preserved': bool(preserved), 'correct': bool(target and preserved), 'count': bool(count)}
+    pairs = {tuple(p) for p in held_out}
+    as_trained = any(m is not None and (o.color, o.shape) in pairs and (m['color'], m['shape']) != (o.color, o.shape)
+                     and (m['color'], m['shape']) not in pairs for m, o in zip(matched, objs))
+    return {'target': bool(target), 'preserved': bool(preserved), 'correct': bool(target and preserved), 'count': bool(count),
+            'held_out_as_trained': bool(as_trained)}
 
 HELD_OUT_SIDES = ('none', 'source', 'target', 'both')
 
@@ -204,7 +208,7 @@ def ssim_scores(images, targets) -> list[float]:
     return [float(ssim(t(a, b.size)[None], t(b, b.size)[None], data_range=1.0)) for a, b in zip(images, targets)]
 
 def edit_report(oracle:ShapesOracle, images, edits, targets=None, per_image:bool=False) -> dict:
-    "Edit accuracy (`correct`), `target` and `preserved` rates overall, per kind and per `held_out_side`; mean `ssim` to `targets` when given."
+    "Edit accuracy (`correct`), `target` and `preserved` rates overall, per kind and per `held_out_side`; how often a held-out pair of the target came out as a training pair (`held_out_as_trained`, over the `n_held_out_target` edits whose target holds one); mean `ssim` to `targets` when given."
     edits = [ShapeEdit.from_dict(e) for e in edits]
     rows = [score_edit(oracle, im, e) for im, e in zip(images, edits, strict=True)]
     mean = lambda rs, k: float(np.mean([r[k] for r in rs])) if rs else float('nan')
@@ -213,6 +217,9 @@ def edit_report(oracle:ShapesOracle, images, edits, targets=None, per_image:bool
                                    for g in keys if (rs := [r for r, e in zip(rows, edits) if key_of(e) == g])}
     out['per_kind'] = groups(EDIT_KINDS, lambda e: e.kind)
     out['per_held_out'] = groups(HELD_OUT_SIDES, held_out_side)
+    in_target = [r for r, e in zip(rows, edits) if held_out_side(e) in ('target', 'both')]
+    out['held_out_as_trained'], out['n_held_out_target'] = mean(in_target, 'held_out_as_trained'), len(in_target)
+    out['held_out_as_trained_wrong'] = sum(r['held_out_as_trained'] and not r['correct'] for r in in_target)   # of the wrong edits
     if targets is not None:
         s = ssim_scores(images, targets)
         out['ssim'] = float(np.mean(s))

@@ -43,6 +43,7 @@ def edit_metrics(rows:list[dict], first_stage=None) -> dict:
     out = {f'edit/{k}': rep[k] for k in ('correct', 'target', 'preserved', 'ssim')}
     for kind, v in rep['per_kind'].items(): out.update({f'edit/{kind}/{k}': v[k] for k in ('correct', 'target', 'preserved', 'n')})
     for side, v in rep['per_held_out'].items(): out.update({f'edit/held_out_{side}/{k}': v[k] for k in ('correct', 'n')})
+    out.update({f'edit/{k}': rep[k] for k in ('held_out_as_trained', 'n_held_out_target', 'held_out_as_trained_wrong')})
     if first_stage is not None:
         ceil = edit_report(ShapesOracle(), reconstruct(first_stage, targets), edits)
         out['first_stage/edit/correct'] = ceil['correct']
@@ -190,6 +191,9 @@ def main(argv:list[str]|None=None) -> dict|None:
         print("  by where the held-out colour-shape pairs are: " + ', '.join(
             f"{side} {m[f'edit/held_out_{side}/correct']:.3f} (n={m[f'edit/held_out_{side}/n']})" for side in HELD_OUT_SIDES
             if f'edit/held_out_{side}/n' in m))
+        if m.get('edit/n_held_out_target'):
+            print(f"  held-out pairs drawn as a pair of the training data: in {m['edit/held_out_as_trained']:.3f} of the {m['edit/n_held_out_target']} "
+                  f"edits whose target holds one ({m['edit/held_out_as_trained_wrong']} of their wrong edits)")
     if 'first_stage/color_and_shape' in m:
         print(f"first-stage ceiling (oracle on {stage_dir.name} reconstructions of the true images): {m['first_stage/color_and_shape']:.3f}")
     if 'first_stage/edit/correct' in m:
