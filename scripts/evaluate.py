@@ -11,7 +11,7 @@ from imagegen.autoencoders.kl import ImageAutoencoder
 import numpy as np
 import torch
 from imagegen.metrics import evaluate_images, first_stage_report, reconstruct, to_unit_batch, write_metrics_json
-from imagegen.shapes import Scene, ShapesOracle, render
+from imagegen.shapes import HELD_OUT, Scene, ShapesOracle, render
 from imagegen.edits import EDIT_KINDS, HELD_OUT_SIDES, ShapeEdit, edit_report
 
 def read_samples(folder:Path|str) -> list[dict]:
@@ -50,6 +50,19 @@ def edit_metrics(rows:list[dict], first_stage=None) -> dict:
         out.update({f'first_stage/edit/{kind}/correct': v['correct'] for kind, v in ceil['per_kind'].items()})
         if hasattr(first_stage, 'vocab_size'):                                   # a VQ model: can an editor copy its tokens?
             out.update(token_keep_report(first_stage, [render(e.source, r['image'].size[0]) for e, r in zip(edits, rows)], targets))
+    return out
+
+def pair_metrics(rows:list[dict], held_out=HELD_OUT) -> dict:
+    "Adherence (colour and shape right, every object) of the rows whose scene holds each held-out colour–shape pair: `oracle/pair/COLOUR SHAPE/color_and_shape` and `.../n`; the split the reward fine-tuning's set A / set B figures use."
+    oracle, pairs, got = ShapesOracle(), [tuple(p) for p in held_out], {}
+    for r in rows:
+        sc = Scene.from_dict(r['scene'])
+        if hit := {(o.color, o.shape) for o in sc.objects} & set(pairs):
+            v = float(oracle.score(r['image'], sc)['color_and_shape'])
+            for p in hit: got.setdefault(p, []).append(v)
+    out = {}
+    for c, s in pairs:
+        if vs := got.get((c, s)): out |= {f'oracle/pair/{c} {s}/color_and_shape': float(np.mean(vs)), f'oracle/pair/{c} {s}/n': len(vs)}
     return out
 
 def first_stage(rows:list[dict], which:str|None) -> Path|None:
@@ -182,9 +195,12 @@ def main(argv:list[str]|None=None) -> dict|None:
         if not has_scenes: raise ValueError("--upsampler is scored on the true renders of Shapes scenes: sample with --shapes_split.")
         m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler, a.upsampler_batch_size))
     if has_edits: m.update(edit_metrics(rows, ae))
+    elif has_scenes: m.update(pair_metrics(rows))
     m.update(ocr_metrics(rows, a.ocr))
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
+    if pairs := [k.split('/')[2] for k in m if k.startswith('oracle/pair/') and k.endswith('/n')]:
+        print("  by held-out pair in the prompt: " + ', '.join(f"{p} {m[f'oracle/pair/{p}/color_and_shape']:.3f} (n={m[f'oracle/pair/{p}/n']})" for p in pairs))
     if has_edits:
         print(f"edit accuracy (the change made, nothing else changed): {m['edit/correct']:.3f} on {len(rows)} edits; change made "
               f"{m['edit/target']:.3f}, rest unchanged {m['edit/preserved']:.3f}, SSIM to the target {m['edit/ssim']:.3f}")

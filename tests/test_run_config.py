@@ -69,7 +69,12 @@ def test_example_configs_resolve(path):
     name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
     run_ = resolve(name, ['--config', str(path)], stage)
     assert set(run_) == ({'train', 'model', 'grpo'} if grpo else {'train', 'model', 'data'})
-    if grpo and path.stem.startswith('grpo_hybrid'):   # the measured hybrid recipe (README): the decoder alone, fidelity to the layout
+    if path.stem == 'grpo_hybrid_ar_shapes':   # the hybrid's AR-stage recipe (README): the GPT alone, the oracle on set A's 128 px images
+        m, t = run_['model'], run_['train']
+        assert (m.stage, m.reward, m.decoder_group_size, m.num_inference_steps, m.prompt_split, m.prompt_pairs) == (
+            'ar', {'oracle': 1.0}, 1, 8, 'test', ['red triangle', 'blue circle', 'magenta triangle'])
+        assert (t.max_steps, t.lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.prompts_per_step, m.inner_steps) == (200, 3e-5, 8, 0.04, 4, 2)
+    elif grpo and path.stem.startswith('grpo_hybrid'):   # the measured hybrid recipe (README): the decoder alone, fidelity to the layout
         m, t = run_['model'], run_['train']
         assert (m.stage, m.decoder_reward, m.decoder_group_size, m.num_inference_steps, m.train_steps) == ('decoder', {'ssim': 1.0, 'oracle': 0.5}, 4, 8, None)
         assert (t.max_steps, t.lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.prompts_per_step, m.inner_steps) == (50, 1e-5, 2, 0.04, 2, 2)
