@@ -53,7 +53,7 @@ def edit_metrics(rows:list[dict], first_stage=None) -> dict:
     return out
 
 def pair_metrics(rows:list[dict], held_out=HELD_OUT) -> dict:
-    "Adherence (colour and shape right, every object) of the rows whose scene holds each held-out colour–shape pair: `oracle/pair/COLOUR SHAPE/color_and_shape` and `.../n`; the split the reward fine-tuning's set A / set B figures use."
+    "Adherence (colour and shape right, every object) of the rows whose scene holds each held-out colour–shape pair: `oracle/pair/COLOUR_SHAPE/color_and_shape` and `.../n`; the split the reward fine-tuning's set A / set B figures use."
     oracle, pairs, got = ShapesOracle(), [tuple(p) for p in held_out], {}
     for r in rows:
         sc = Scene.from_dict(r['scene'])
@@ -62,7 +62,7 @@ def pair_metrics(rows:list[dict], held_out=HELD_OUT) -> dict:
             for p in hit: got.setdefault(p, []).append(v)
     out = {}
     for c, s in pairs:
-        if vs := got.get((c, s)): out |= {f'oracle/pair/{c} {s}/color_and_shape': float(np.mean(vs)), f'oracle/pair/{c} {s}/n': len(vs)}
+        if vs := got.get((c, s)): out |= {f'oracle/pair/{c}_{s}/color_and_shape': float(np.mean(vs)), f'oracle/pair/{c}_{s}/n': len(vs)}
     return out
 
 def first_stage(rows:list[dict], which:str|None) -> Path|None:
@@ -200,7 +200,7 @@ def main(argv:list[str]|None=None) -> dict|None:
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")
     if pairs := [k.split('/')[2] for k in m if k.startswith('oracle/pair/') and k.endswith('/n')]:
-        print("  by held-out pair in the prompt: " + ', '.join(f"{p} {m[f'oracle/pair/{p}/color_and_shape']:.3f} (n={m[f'oracle/pair/{p}/n']})" for p in pairs))
+        print("  by held-out pair in the prompt: " + ', '.join(f"{p.replace('_', ' ')} {m[f'oracle/pair/{p}/color_and_shape']:.3f} (n={m[f'oracle/pair/{p}/n']})" for p in pairs))
     if has_edits:
         print(f"edit accuracy (the change made, nothing else changed): {m['edit/correct']:.3f} on {len(rows)} edits; change made "
               f"{m['edit/target']:.3f}, rest unchanged {m['edit/preserved']:.3f}, SSIM to the target {m['edit/ssim']:.3f}")
