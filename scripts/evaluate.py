@@ -43,7 +43,7 @@ def edit_metrics(rows:list[dict], first_stage=None) -> dict:
     out = {f'edit/{k}': rep[k] for k in ('correct', 'target', 'preserved', 'ssim')}
     for kind, v in rep['per_kind'].items(): out.update({f'edit/{kind}/{k}': v[k] for k in ('correct', 'target', 'preserved', 'n')})
     for side, v in rep['per_held_out'].items(): out.update({f'edit/held_out_{side}/{k}': v[k] for k in ('correct', 'n')})
-    out.update({f'edit/{k}': rep[k] for k in ('held_out_as_trained', 'n_held_out_target', 'held_out_as_trained_wrong')})
+    if rep['n_held_out_target']: out.update({f'edit/{k}': rep[k] for k in ('held_out_as_trained', 'n_held_out_target', 'held_out_as_trained_wrong')})
     if first_stage is not None:
         ceil = edit_report(ShapesOracle(), reconstruct(first_stage, targets), edits)
         out['first_stage/edit/correct'] = ceil['correct']
@@ -52,14 +52,11 @@ def edit_metrics(rows:list[dict], first_stage=None) -> dict:
             out.update(token_keep_report(first_stage, [render(e.source, r['image'].size[0]) for e, r in zip(edits, rows)], targets))
     return out
 
-def pair_metrics(rows:list[dict], held_out=HELD_OUT) -> dict:
-    "Adherence (colour and shape right, every object) of the rows whose scene holds each held-out colour–shape pair: `oracle/pair/COLOUR_SHAPE/color_and_shape` and `.../n`; the split the reward fine-tuning's set A / set B figures use."
-    oracle, pairs, got = ShapesOracle(), [tuple(p) for p in held_out], {}
-    for r in rows:
-        sc = Scene.from_dict(r['scene'])
-        if hit := {(o.color, o.shape) for o in sc.objects} & set(pairs):
-            v = float(oracle.score(r['image'], sc)['color_and_shape'])
-            for p in hit: got.setdefault(p, []).append(v)
+def pair_metrics(scenes:list, verdicts:list, held_out=HELD_OUT) -> dict:
+    "Adherence split by held-out colour–shape pair: the mean of the oracle's per-image `verdicts` (its `color_and_shape`, from `ShapesOracle.report(..., per_image=True)`) over the `scenes` that hold each pair, as `oracle/pair/COLOUR_SHAPE/color_and_shape` and `.../n`; the split the reward fine-tuning's set A / set B figures use."
+    pairs, got = [tuple(p) for p in held_out], {}
+    for sc, v in zip(scenes, verdicts, strict=True):
+        for p in {(o.color, o.shape) for o in Scene.from_dict(sc).objects} & set(pairs): got.setdefault(p, []).append(float(v))
     out = {}
     for c, s in pairs:
         if vs := got.get((c, s)): out |= {f'oracle/pair/{c}_{s}/color_and_shape': float(np.mean(vs)), f'oracle/pair/{c}_{s}/n': len(vs)}
@@ -181,9 +178,11 @@ def main(argv:list[str]|None=None) -> dict|None:
     scenes = [r.get('scene') for r in rows]
     has_scenes = all(scenes)
     refs = real_images(rows, a.real)
-    m = evaluate_images([r['image'] for r in rows], [r['prompt'] for r in rows], scenes=scenes if has_scenes else None,
-                        real_images=refs if refs and len(refs) >= 2 else None, clip=a.clip, oracle=ShapesOracle() if has_scenes else None,
-                        feature=a.feature)
+    m = evaluate_images([r['image'] for r in rows], [r['prompt'] for r in rows], real_images=refs if refs and len(refs) >= 2 else None,
+                        clip=a.clip, feature=a.feature)
+    if has_scenes:   # the oracle once, its per-image verdicts kept for the split by held-out pair
+        ora = ShapesOracle().report([r['image'] for r in rows], scenes, per_image=True)
+        m.update({f'oracle/{k}': v for k, v in ora.items() if k != 'per_image'})
     m.update({k: rows[0].get(k) for k in ('family', 'sampler', 'steps', 'guidance', 'temperature', 'top_k', 'top_p', 'model') if k in rows[0]})
     stage_dir = first_stage(rows, a.vae) if has_scenes else None
     ae = load_first_stage(stage_dir) if stage_dir is not None else None
@@ -195,7 +194,7 @@ def main(argv:list[str]|None=None) -> dict|None:
         if not has_scenes: raise ValueError("--upsampler is scored on the true renders of Shapes scenes: sample with --shapes_split.")
         m.update(upsampler_check(a.upsampler, rows, a.upsampler_steps, a.upsampler_sampler, a.upsampler_batch_size))
     if has_edits: m.update(edit_metrics(rows, ae))
-    elif has_scenes: m.update(pair_metrics(rows))
+    elif has_scenes: m.update(pair_metrics(scenes, [v['color_and_shape'] for v in ora['per_image']]))
     m.update(ocr_metrics(rows, a.ocr))
     path = write_metrics_json(a.out or Path(a.samples)/'metrics.json', m)
     if has_scenes: print(f"adherence (colour and shape right): {m['oracle/color_and_shape']:.3f} on {len(rows)} prompts; overall {m['oracle/overall']:.3f}")

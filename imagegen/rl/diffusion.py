@@ -240,5 +240,4 @@ class DiffusionGRPO(RunPolicy):
         "The model's own folder (LoRA merged into the UNet, so every loader reads it); with LoRA also `pytorch_lora_weights.safetensors`, for `pipe.load_lora_weights`."
         return save_with_lora(self.model, path) if self.lora else self.model.save_pretrained(path)
 
-
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)

@@ -152,5 +152,4 @@ class GPTGRPO(RunPolicy):
         return self
     def save_pretrained(self, path): return self.model.save_pretrained(path)
 
-
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)
