@@ -117,8 +117,13 @@ def train_flops_per_image(cfg:LatentGPTConfig, text_len:int) -> float:
     return 6 * (N * p_tok + text_len * p_text) + 12 * L * d * N * (N + text_len)
 
 def bench_mfu(preset:str='large', batch:int=16, steps:int=20, warmup:int=3, device:str='cuda', peak_tflops:float=0.0,
-              compile:bool=False, dtype=torch.bfloat16, **overrides) -> dict:
+              compile:bool=False, dtype=torch.bfloat16, accumulation:int=1, coordinate_descent:bool=False,
+              **overrides) -> dict:
     "Training images/s of preset `preset` under autocast `dtype`, and the MFU against the device's (or `peak_tflops`)."
+    if accumulation < 1: raise ValueError(f"accumulation={accumulation}: pass 1 or more micro-batches per optimizer step.")
+    if coordinate_descent:                      # inductor tunes each generated kernel's launch config (longer compile)
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = True
     cfg = LatentGPTConfig.from_preset(preset, **overrides)
     model = LatentGPT(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.device(device).type == 'cuda')
@@ -127,26 +132,36 @@ def bench_mfu(preset:str='large', batch:int=16, steps:int=20, warmup:int=3, devi
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.n_positions), generator=g).to(device)
     text = torch.randn(batch, cfg.text_len, cfg.text_dim, generator=g).to(device)
     def step():
-        with torch.autocast(torch.device(device).type, dtype=dtype):
-            loss = step_model(tokens, text, labels=tokens).loss
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        for _ in range(accumulation):           # micro-batches of `batch` images, one optimizer step
+            with torch.autocast(torch.device(device).type, dtype=dtype):
+                loss = step_model(tokens, text, labels=tokens).loss
+            (loss / accumulation).backward()
+        opt.step(); opt.zero_grad(set_to_none=True)
+    cuda = torch.device(device).type == 'cuda'
+    if cuda: torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup): step()
     dt = seconds(lambda: [step() for _ in range(steps)], device)
-    name = torch.cuda.get_device_name(device) if torch.device(device).type == 'cuda' else 'cpu'
+    name = torch.cuda.get_device_name(device) if cuda else 'cpu'
     peak = peak_tflops * 1e12 if peak_tflops else peak_bf16_flops(name)
-    images_s, flops = batch * steps / dt, train_flops_per_image(cfg, cfg.text_len)
-    return dict(device=name, preset=preset, parameters=model.num_parameters(), batch=batch, compile=compile,
+    images_s, flops = batch * accumulation * steps / dt, train_flops_per_image(cfg, cfg.text_len)
+    return dict(device=name, preset=preset, parameters=model.num_parameters(), batch=batch, accumulation=accumulation,
+                compile=compile, coordinate_descent=coordinate_descent, biases=cfg.bias,
                 residual='float32' if cfg.fp32_residual else str(dtype).removeprefix('torch.'), images_per_s=images_s,
                 tokens_per_s=images_s * cfg.n_positions, tflops=flops * images_s / 1e12, peak_tflops=(peak or 0) / 1e12,
-                mfu=flops * images_s / peak if peak else None)
+                mfu=flops * images_s / peak if peak else None,
+                peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None)
 
 def mfu_table(r:dict) -> str:
     "Markdown table of a `bench_mfu` result."
     mfu = f"{100 * r['mfu']:.1f}%" if r['mfu'] is not None else 'unknown peak (pass --peak_tflops)'
-    head = ['device', 'preset', 'parameters', 'batch', 'compile', 'residual', 'tokens/s', 'achieved TFLOP/s', 'peak TFLOP/s', 'MFU']
-    row = [r['device'], r['preset'], f"{r['parameters']/1e6:.1f}M", r['batch'], 'yes' if r['compile'] else 'no', r['residual'],
-           f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}", f"{r['peak_tflops']:.0f}", mfu]
-    return markdown_table(head, 'llrrllrrrr', [row])
+    mem = f"{r['peak_memory_gib']:.1f}" if r['peak_memory_gib'] is not None else '-'
+    compiled = ('yes, coordinate descent' if r['coordinate_descent'] else 'yes') if r['compile'] else 'no'
+    head = ['device', 'preset', 'parameters', 'biases', 'batch', 'accumulation', 'compile', 'residual', 'tokens/s',
+            'achieved TFLOP/s', 'peak TFLOP/s', 'MFU', 'peak memory (GiB)']
+    row = [r['device'], r['preset'], f"{r['parameters']/1e6:.1f}M", 'yes' if r['biases'] else 'no', r['batch'],
+           r['accumulation'], compiled, r['residual'], f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}",
+           f"{r['peak_tflops']:.0f}", mfu, mem]
+    return markdown_table(head, 'llrlrrllrrrrr', [row])
 
 @call_parse
 def main(sections:str='generation,training,mfu', # which parts to run (mfu runs on CUDA, or anywhere with --peak_tflops)
@@ -175,6 +190,9 @@ def main(sections:str='generation,training,mfu', # which parts to run (mfu runs 
          peak_tflops:float=0.0, # mfu: peak bf16 TFLOP/s (0: from the GPU's name)
          compile:bool=False, # mfu: torch.compile the model
          bf16_residual:bool=False, # mfu: residual stream in the autocast dtype (LatentGPTConfig.fp32_residual=False)
+         no_bias:bool=False, # mfu: no biases in linear layers and layer norms (LatentGPTConfig.bias=False, as PaLM and LLaMA)
+         accumulation:int=1, # mfu: micro-batches of --mfu_batch per optimizer step
+         coordinate_descent:bool=False, # mfu: with --compile, inductor's coordinate-descent tuning of its kernels
         ):
     "Print the latent GPT's generation, training and MFU tables."
     if threads: torch.set_num_threads(threads)
@@ -196,7 +214,8 @@ def main(sections:str='generation,training,mfu', # which parts to run (mfu runs 
             print("\nMFU: skipped (needs a CUDA device, or --peak_tflops)")
         else:
             out['mfu'] = bench_mfu(mfu_preset, mfu_batch, mfu_steps, device=device, peak_tflops=peak_tflops,
-                                   compile=compile, fp32_residual=not bf16_residual)
+                                   compile=compile, accumulation=accumulation, coordinate_descent=coordinate_descent,
+                                   fp32_residual=not bf16_residual, bias=not no_bias)
             print("\nMFU, bf16 autocast; FLOPs/image = 6*(N*P_tok + L_t*P_text) + 12*n_layer*n_embd*N*(N + L_t), "
                   "P_tok = n_layer*(6d^2 + 2*d*d_mlp) + d*V, P_text = D*d + n_layer*2d^2:\n" + mfu_table(out['mfu']))
     return out

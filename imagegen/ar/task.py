@@ -46,6 +46,7 @@ class GPTConfig(Config):
     dropout:float = 0.0
     token_noise:float = 0.0              # training: share of input tokens replaced by random codes (targets stay clean)
     fp32_residual:bool = True            # under bf16/fp16 autocast keep the residual stream in float32 (False: autocast dtype, faster on GPUs)
+    bias:bool = True                     # biases in the transformer's linear layers and layer norms (False: none, as PaLM and LLaMA; faster on GPUs)
     guidance_scale:float = 3.0           # default CFG scale for samples (1 = off)
     temperature:float = 1.0              # default sampling temperature
     top_k:int|None = None                # default top-k (None: off)
@@ -133,7 +134,8 @@ def gpt_config(cfg:GPTConfig, tokenizer:VQTokenizer, text_encoder:TextEncoder) -
     "The transformer's config for `cfg`'s shape, the tokenizer's codebook and grid and the text encoder's width and context."
     return LatentGPTConfig(vocab_size=tokenizer.vocab_size, token_grid=tokenizer.token_grid(cfg.resolution), n_layer=cfg.n_layer,
                            n_embd=cfg.n_embd, n_head=cfg.n_head, text_dim=text_encoder.hidden_size, text_len=text_encoder.max_length,
-                           pos_embedding=cfg.pos_embedding, dropout=cfg.dropout, fp32_residual=cfg.fp32_residual)
+                           pos_embedding=cfg.pos_embedding, dropout=cfg.dropout, fp32_residual=cfg.fp32_residual,
+                           bias=cfg.bias)
 
 @patch(cls_method=True)
 def from_config(cls:TextToImageGPT, cfg:GPTConfig|str='tiny', corpus:list[str]|None=None, tokenizer:VQTokenizer|None=None,
