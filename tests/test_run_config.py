@@ -74,6 +74,12 @@ def test_example_configs_resolve(path):
         assert (m.stage, m.reward, m.decoder_group_size, m.num_inference_steps, m.prompt_split, m.prompt_pairs) == (
             'ar', {'oracle': 1.0}, 1, 8, 'test', ['red triangle', 'blue circle', 'magenta triangle'])
         assert (t.max_steps, t.lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.prompts_per_step, m.inner_steps) == (200, 3e-5, 8, 0.04, 4, 2)
+    elif path.stem == 'grpo_hybrid_both_shapes':   # the joint recipe (README): both stages, each its own reward and rate
+        m, t = run_['model'], run_['train']
+        assert (m.stage, m.reward, m.decoder_reward, m.decoder_group_size, m.num_inference_steps, m.train_steps) == (
+            'both', {'oracle': 1.0}, {'ssim': 1.0, 'oracle': 0.5}, 2, 8, 2)
+        assert (m.prompt_split, m.prompt_pairs, m.prompts_per_step, m.inner_steps) == ('test', ['red triangle', 'blue circle', 'magenta triangle'], 2, 2)
+        assert (t.max_steps, t.lr, round(t.lr * m.decoder_lr_scale, 9), run_['grpo'].group_size, run_['grpo'].kl_coef) == (100, 3e-5, 1e-5, 8, 0.04)
     elif path.stem == 'grpo_hybrid_decoder_shapes':   # the measured hybrid recipe (README): the decoder alone, fidelity to the layout
         m, t = run_['model'], run_['train']
         assert (m.stage, m.decoder_reward, m.decoder_group_size, m.num_inference_steps, m.train_steps) == ('decoder', {'ssim': 1.0, 'oracle': 0.5}, 4, 8, None)

@@ -15,7 +15,7 @@ from .diffusion import ddim_step_std, ddim_step_with_logprob, diffusion_logprobs
 from .gpt import gpt_logprobs, gpt_rollouts, sampling_settings
 from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
-from ..training.loop import derived_seed
+from ..training.loop import derived_seed, make_optimizer
 
 # %% auto #0
 __all__ = ['STAGES', 'upsampler_rollouts', 'HybridGRPO']
@@ -72,13 +72,18 @@ class HybridGRPO(RunPolicy):
     def __init__(self, pipeline:HybridPipeline, ar_reward:Reward, prompts, decoder_reward:Reward|None=None, stage:str='both',
                  grpo:GRPOConfig|None=None, prompts_per_step:int=2, decoder_group_size:int=2, guidance_scale:float|None=None,
                  temperature:float|None=None, ratio_on:str='guided', decoder_steps:int=10, decoder_guidance:float=1.0, eta:float=1.0,
-                 decoder_train_steps:int|None=None, noise_level:int|None=None, inner_steps:int=1):
+                 decoder_train_steps:int|None=None, noise_level:int|None=None, inner_steps:int=1,
+                 decoder_lr_scale:float=1.0):
         if stage not in STAGES: raise ConfigError(f"stage={stage!r}: choose one of {', '.join(STAGES)}.")
         if ratio_on not in ('guided', 'conditional'): raise ConfigError(f"ratio_on={ratio_on!r}: 'guided' or 'conditional'.")
         if decoder_group_size < 1 or prompts_per_step < 1 or inner_steps < 1:
             raise ConfigError("decoder_group_size, prompts_per_step and inner_steps must be >= 1.")
         if stage != 'ar' and decoder_group_size < 2:
             raise ConfigError(f"decoder_group_size={decoder_group_size}: training the decoder needs at least 2 decodes per layout (a group of one has no spread).")
+        if not decoder_lr_scale > 0: raise ConfigError(f"decoder_lr_scale={decoder_lr_scale}: must be > 0 (1: the run's learning rate).")
+        if decoder_lr_scale != 1.0 and stage != 'both':
+            raise ConfigError(f"decoder_lr_scale={decoder_lr_scale} with stage={stage!r}: the scale sets the decoder's rate against the GPT's "
+                              "when both stages train; training one stage, set the learning rate itself.")
         if not eta > 0: raise ConfigError(f"eta={eta}: GRPO needs stochastic steps (eta > 0; 1.0 is DDPM's variance).")
         self.pipe, self.prompts, self.stage = pipeline, prompts, stage
         self.trains_ar, self.trains_decoder = stage in ('ar', 'both'), stage in ('decoder', 'both')
@@ -88,6 +93,7 @@ class HybridGRPO(RunPolicy):
         self.g, self.t = sampling_settings(pipeline.ar, guidance_scale, temperature)
         self.ratio_on, self.D, self.dg, self.eta = ratio_on, decoder_group_size, float(decoder_guidance), float(eta)
         self.prompts_per_step, self.inner_steps, self.noise_level = prompts_per_step, inner_steps, noise_level
+        self.decoder_lr_scale = float(decoder_lr_scale)
         self.sched = rollout_scheduler(pipeline.decoder, decoder_steps)
         stochastic = [i for i, t in enumerate(self.sched.timesteps) if ddim_step_std(self.sched, t, eta) > 0]
         if decoder_train_steps is not None and not 1 <= decoder_train_steps <= len(stochastic):
@@ -102,6 +108,11 @@ class HybridGRPO(RunPolicy):
         self.ref_decoder = copy.deepcopy(unet).eval().requires_grad_(False) if kl and self.trains_decoder else None
         self.sample_prompts = pipeline.sample_prompts
         self.model, self.editor = pipeline, False                             # as the other GRPO tasks: the model trained; text-to-image
+
+    def configure_optimizer(self, model:nn.Module, cfg) -> torch.optim.Optimizer:
+        "The loop's hook: one AdamW over the trained stage(s); with both, the decoder's weights at `decoder_lr_scale` times the run's rate."
+        scale = {'decoder.': cfg.lr * self.decoder_lr_scale} if self.stage == 'both' and self.decoder_lr_scale != 1.0 else None
+        return make_optimizer(model, cfg, scale)
 
     def __repr__(self): return f"HybridGRPO(stage={self.stage!r}, G={self.grpo.group_size}, D={self.D}, ar_reward={self.ar_reward!r}, decoder_reward={self.decoder_reward!r})"
 
@@ -122,8 +133,11 @@ def _rollout(self:HybridGRPO, seed:int) -> dict:
     r_dec, parts_dec = (r_ar, parts_ar) if self.decoder_reward is self.ar_reward else self.decoder_reward.parts(dr['images'], dr['prompts'], **hi)
     adv_ar, st_ar = group_advantages(r_ar.view(-1, D).mean(1), G, self.grpo.std_eps, self.grpo.adv_clip)
     adv_dec, st_dec = group_advantages(r_dec, D, self.grpo.std_eps, self.grpo.adv_clip)
-    stats = ({f'ar/reward/{k}': v.mean() for k, v in parts_ar.items()} | {f'ar/{k}': torch.tensor(v) for k, v in st_ar.items()} |
-             {f'decoder/reward/{k}': v.mean() for k, v in parts_dec.items()} | {f'decoder/{k}': torch.tensor(v) for k, v in st_dec.items()})
+    # each reward's terms, once; the group statistics of the stage(s) trained (an untrained stage's groups steer nothing)
+    stats = {f'ar/reward/{k}': v.mean() for k, v in parts_ar.items()}
+    if self.decoder_reward is not self.ar_reward: stats |= {f'decoder/reward/{k}': v.mean() for k, v in parts_dec.items()}
+    if self.trains_ar: stats |= {f'ar/{k}': torch.tensor(v) for k, v in st_ar.items()}
+    if self.trains_decoder: stats |= {f'decoder/{k}': torch.tensor(v) for k, v in st_dec.items()}
     batch = dict(caption=ro['prompts'], stats=stats)
     with torch.no_grad():
         if self.trains_ar:

@@ -52,6 +52,7 @@ class GRPORunConfig(Config):
     decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
     decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
     decoder_guidance_scale: float|None = None # hybrid: the decoder's text guidance in rollouts (None: 1, the upsampler's default)
+    decoder_lr_scale: float|None = None       # hybrid, both stages: the decoder's learning rate as a multiple of the run's (None: 1)
     cache_dir: str|None = None                # Hub cache of the CLIP model
 
     presets: ClassVar[dict[str, dict]] = {'default': {}}
@@ -106,7 +107,7 @@ class GRPORunConfig(Config):
     def build(self, grpo:GRPOConfig|None=None) -> GPTGRPO|DiffusionGRPO|HybridGRPO:
         "The GRPO task for the shared loop; the rewards' context is checked on one draw of prompts first."
         model = self.load_model()
-        hybrid_opts = [f for f in ('stage', 'decoder_reward', 'decoder_group_size', 'decoder_guidance_scale') if getattr(self, f) is not None]
+        hybrid_opts = [f for f in ('stage', 'decoder_reward', 'decoder_group_size', 'decoder_guidance_scale', 'decoder_lr_scale') if getattr(self, f) is not None]
         if isinstance(model, HybridPipeline): return self._build_hybrid(model, grpo)
         if hybrid_opts: raise ConfigError(f"{', '.join(hybrid_opts)}: options of hybrid pipeline runs; {self.pretrained_model_name_or_path} is a single model.")
         diffusion = isinstance(model, LatentDiffusion)
@@ -137,7 +138,7 @@ class GRPORunConfig(Config):
         return HybridGRPO(pipe, ar_reward, prompts, dec_reward, self.stage or 'both', grpo, self.prompts_per_step, self.decoder_group_size or 2,
                           self.guidance_scale, self.temperature, self.ratio_on, self.num_inference_steps,
                           1.0 if self.decoder_guidance_scale is None else self.decoder_guidance_scale, self.eta, self.train_steps,
-                          None, self.inner_steps)
+                          None, self.inner_steps, 1.0 if self.decoder_lr_scale is None else self.decoder_lr_scale)
 
 # %% ../../nbs/06e_grpo_run.ipynb #b7e1c0a2
 class GRPOPolicy:
