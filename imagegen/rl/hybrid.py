@@ -111,8 +111,7 @@ class HybridGRPO(RunPolicy):
 
     def configure_optimizer(self, model:nn.Module, cfg) -> torch.optim.Optimizer:
         "The loop's hook: one AdamW over the trained stage(s); with both, the decoder's weights at `decoder_lr_scale` times the run's rate."
-        scale = {'decoder.': cfg.lr * self.decoder_lr_scale} if self.stage == 'both' and self.decoder_lr_scale != 1.0 else None
-        return make_optimizer(model, cfg, scale)
+        return make_optimizer(model, cfg, {'decoder.': cfg.lr * self.decoder_lr_scale} if self.decoder_lr_scale != 1.0 else None)
 
     def __repr__(self): return f"HybridGRPO(stage={self.stage!r}, G={self.grpo.group_size}, D={self.D}, ar_reward={self.ar_reward!r}, decoder_reward={self.decoder_reward!r})"
 
