@@ -44,8 +44,8 @@ class HybridPipeline:
 
 # %% ../nbs/05d_hybrid.ipynb #a0c1d011
 def _generate(self:HybridPipeline, prompts:list[str]|None=None, *, seed:int=0, guidance_scale:float|None=None,
-              temperature:float|None=None, top_k:int|None=None, top_p:float|None=None, decoder_steps:int=25,
-              decoder_guidance:float=1.0, decoder_sampler:str='ddpm', noise_level:int|None=None,
+              temperature:float|None=None, top_k:int|None=None, top_p:float|None=None, decoder_steps:int=10,
+              decoder_guidance:float=1.0, decoder_sampler:str='dpmpp_2m', noise_level:int|None=None,
               return_low:bool=False) -> torch.Tensor|tuple[torch.Tensor, torch.Tensor]:
     "High-resolution images `(B, 3, H, W)` in [-1, 1] for `prompts` (default: the sample prompts); with `return_low`, `(low, high)`."
     prompts = list(self.sample_prompts if prompts is None else prompts)

@@ -268,8 +268,8 @@ def loss(self:GlideUpsampler, model:nn.Module, batch:dict, generator:torch.Gener
 
 # %% ../../nbs/04d_upsampler.ipynb #d37d0755
 @patch
-def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:torch.Tensor|None=None, num_inference_steps:int=25,
-             guidance_scale:float=1.0, generator:torch.Generator|None=None, seed:int=0, sampler:str='ddpm',
+def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:torch.Tensor|None=None, num_inference_steps:int=10,
+             guidance_scale:float=1.0, generator:torch.Generator|None=None, seed:int=0, sampler:str='dpmpp_2m',
              noise_level:int|None=None) -> torch.Tensor:
     "High-resolution images `(B, 3, H, W)` in [-1, 1] from `low_res_images` in [-1, 1] and their prompts."
     prompts = list(prompts or self.sample_prompts)
@@ -304,7 +304,7 @@ def sample(self:GlideUpsampler, n:int|None=None, step:int|None=None, **kwargs) -
 # %% ../../nbs/04d_upsampler.ipynb #43f18688
 def sample_cascade(base:GlideDiffusion, upsampler:GlideUpsampler, prompts:list[str], *, seed:int=0,
                    base_sampler:str='ddpm', base_steps:int=50, base_guidance:float=3.0,
-                   upsampler_sampler:str='ddpm', upsampler_steps:int=25, upsampler_guidance:float=1.0,
+                   upsampler_sampler:str='dpmpp_2m', upsampler_steps:int=10, upsampler_guidance:float=1.0,
                    noise_level:int|None=None) -> tuple[torch.Tensor, torch.Tensor]:
     "Base samples and their upsampled versions, `(low, high)` in [-1, 1], from one call; each stage has its own sampler, steps and guidance."
     if base.resolution != upsampler.low_res:
