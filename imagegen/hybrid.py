@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 import torch
 from .ar.task import GPT_FILE, TextToImageGPT
-from .diffusion.upsampler import GlideUpsampler
+from .diffusion.upsampler import GlideUpsampler, UPSAMPLER_SAMPLER, UPSAMPLER_STEPS
 from .grids import to_pil
 
 # %% auto #0
@@ -44,8 +44,8 @@ class HybridPipeline:
 
 # %% ../nbs/05d_hybrid.ipynb #a0c1d011
 def _generate(self:HybridPipeline, prompts:list[str]|None=None, *, seed:int=0, guidance_scale:float|None=None,
-              temperature:float|None=None, top_k:int|None=None, top_p:float|None=None, decoder_steps:int=10,
-              decoder_guidance:float=1.0, decoder_sampler:str='dpmpp_2m', noise_level:int|None=None,
+              temperature:float|None=None, top_k:int|None=None, top_p:float|None=None, decoder_steps:int=UPSAMPLER_STEPS,
+              decoder_guidance:float=1.0, decoder_sampler:str=UPSAMPLER_SAMPLER, noise_level:int|None=None,
               return_low:bool=False) -> torch.Tensor|tuple[torch.Tensor, torch.Tensor]:
     "High-resolution images `(B, 3, H, W)` in [-1, 1] for `prompts` (default: the sample prompts); with `return_low`, `(low, high)`."
     prompts = list(self.sample_prompts if prompts is None else prompts)

@@ -8,6 +8,7 @@ import argparse
 from fastcore.script import str2bool
 from imagegen.config import run_cli
 from imagegen.autoencoders.kl import ImageAutoencoder
+from imagegen.diffusion.upsampler import UPSAMPLER_SAMPLER, UPSAMPLER_STEPS
 import numpy as np
 import torch
 from imagegen.metrics import evaluate_images, first_stage_report, reconstruct, to_unit_batch, write_metrics_json
@@ -137,7 +138,7 @@ def ocr_metrics(rows:list[dict], mode:str='auto') -> dict:
     scores = reward.score([r['image'] for r in rows], [r['prompt'] for r in rows], texts=texts)
     return {'ocr/accuracy': float(np.mean(scores)), 'ocr/exact': float(np.mean([s == 1.0 for s in scores])), 'ocr/n': len(rows)}
 
-def upsampler_check(path:str|Path, rows:list[dict], steps:int=10, sampler:str='dpmpp_2m', batch_size:int=16) -> dict:
+def upsampler_check(path:str|Path, rows:list[dict], steps:int=UPSAMPLER_STEPS, sampler:str=UPSAMPLER_SAMPLER, batch_size:int=16) -> dict:
     "The upsampler at `path` on the true renders of the rows' scenes: PSNR/SSIM against them (and bicubic's), and the oracle on its images."
     from imagegen.diffusion.upsampler import GlideUpsampler, upsampler_report
     from imagegen.grids import to_pil
@@ -159,8 +160,8 @@ def parse_args(argv:list[str]|None=None):
     p.add_argument('--vae', default='auto', help="first-stage ceiling: oracle on this VAE's or VQ model's reconstructions of the true images "
                                                 "('auto': the model's vae/ or vqvae/; '' skips)")
     p.add_argument('--upsampler', help="a GLIDE upsampler folder: also score it on the true renders of the prompts' scenes, degraded to its input size, against bicubic (PSNR/SSIM) and by the oracle")
-    p.add_argument('--upsampler_steps', type=int, default=10, help="sampling steps of --upsampler")
-    p.add_argument('--upsampler_sampler', default='dpmpp_2m', help="sampler of --upsampler")
+    p.add_argument('--upsampler_steps', type=int, default=UPSAMPLER_STEPS, help="sampling steps of --upsampler")
+    p.add_argument('--upsampler_sampler', default=UPSAMPLER_SAMPLER, help="sampler of --upsampler")
     p.add_argument('--upsampler_batch_size', type=int, default=16, help="images per forward pass of --upsampler (on a CPU, small batches run faster per image)")
     p.add_argument('--ocr', default='auto', choices=('auto', 'on', 'off'),
                    help="read the word quoted in each prompt back from its image with Tesseract (auto: where every prompt quotes one and Tesseract is installed)")

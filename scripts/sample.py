@@ -15,7 +15,7 @@ from imagegen.diagnostics import destroy_process_group_at_exit
 from imagegen.diffusion.glide import GLIDE_FILE, GlideDiffusion
 from imagegen.diffusion.edit import LatentEditor, is_edit_folder
 from imagegen.diffusion.ldm import LatentDiffusion
-from imagegen.diffusion.upsampler import GlideUpsampler
+from imagegen.diffusion.upsampler import GlideUpsampler, UPSAMPLER_SAMPLER, UPSAMPLER_STEPS
 from imagegen.metrics import best_of_n, clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
 from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
@@ -174,8 +174,8 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
          top_k:int=None, # GPT: keep the k most likely tokens (default: the model's)
          top_p:float=None, # GPT: nucleus sampling threshold (default: the model's)
          upsampler:str=None, # GLIDE: an upsampler folder (train_glide.py --stage upsample); the base images go to OUT/base
-         upsampler_sampler:str='dpmpp_2m', # GLIDE upsampler (or a hybrid pipeline's decoder): its sampler
-         upsampler_steps:int=10, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampling steps
+         upsampler_sampler:str=UPSAMPLER_SAMPLER, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampler
+         upsampler_steps:int=UPSAMPLER_STEPS, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampling steps
          upsampler_guidance:float=1.0, # GLIDE upsampler: its guidance scale
          upsampler_batch_size:int=None, # GLIDE upsampler (or a hybrid's decoder): images per forward pass (default: --batch_size; on a CPU small batches run faster per image)
          noise_level:int=None, # GLIDE upsampler: augmentation level of its input (default: the model's)

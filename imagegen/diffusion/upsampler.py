@@ -21,8 +21,8 @@ from .sampling import make_scheduler, sample_latents
 from ..text import TextEncoder
 
 # %% auto #0
-__all__ = ['UpsamplerConfig', 'build_upsampler_unet', 'build_noising_scheduler', 'ConditionSkipUNet', 'realign_matrix',
-           'GlideUpsampler', 'sample_cascade', 'upsampler_report']
+__all__ = ['UPSAMPLER_SAMPLER', 'UPSAMPLER_STEPS', 'UpsamplerConfig', 'build_upsampler_unet', 'build_noising_scheduler',
+           'ConditionSkipUNet', 'realign_matrix', 'GlideUpsampler', 'sample_cascade', 'upsampler_report']
 
 # %% ../../nbs/04d_upsampler.ipynb #521078d9
 @dataclass
@@ -267,9 +267,11 @@ def loss(self:GlideUpsampler, model:nn.Module, batch:dict, generator:torch.Gener
     return GlideDiffusion.loss(self, model, batch, generator)
 
 # %% ../../nbs/04d_upsampler.ipynb #d37d0755
+UPSAMPLER_SAMPLER, UPSAMPLER_STEPS = 'dpmpp_2m', 10   # the default of every upsampling entry point (the cascade, the hybrid, the scripts)
+
 @patch
-def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:torch.Tensor|None=None, num_inference_steps:int=10,
-             guidance_scale:float=1.0, generator:torch.Generator|None=None, seed:int=0, sampler:str='dpmpp_2m',
+def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:torch.Tensor|None=None, num_inference_steps:int=UPSAMPLER_STEPS,
+             guidance_scale:float=1.0, generator:torch.Generator|None=None, seed:int=0, sampler:str=UPSAMPLER_SAMPLER,
              noise_level:int|None=None) -> torch.Tensor:
     "High-resolution images `(B, 3, H, W)` in [-1, 1] from `low_res_images` in [-1, 1] and their prompts."
     prompts = list(prompts or self.sample_prompts)
@@ -304,7 +306,7 @@ def sample(self:GlideUpsampler, n:int|None=None, step:int|None=None, **kwargs) -
 # %% ../../nbs/04d_upsampler.ipynb #43f18688
 def sample_cascade(base:GlideDiffusion, upsampler:GlideUpsampler, prompts:list[str], *, seed:int=0,
                    base_sampler:str='ddpm', base_steps:int=50, base_guidance:float=3.0,
-                   upsampler_sampler:str='dpmpp_2m', upsampler_steps:int=10, upsampler_guidance:float=1.0,
+                   upsampler_sampler:str=UPSAMPLER_SAMPLER, upsampler_steps:int=UPSAMPLER_STEPS, upsampler_guidance:float=1.0,
                    noise_level:int|None=None) -> tuple[torch.Tensor, torch.Tensor]:
     "Base samples and their upsampled versions, `(low, high)` in [-1, 1], from one call; each stage has its own sampler, steps and guidance."
     if base.resolution != upsampler.low_res:
