@@ -441,6 +441,7 @@ class EditConfig(Config):
     conditioning_dropout_prob: float = 0.05   # instruction dropped in 2p of the samples, the source in 2p, both in p
     train_text_encoder: bool|None = None      # None: as the checkpoint's run did
     source_lr_scale: float = 1.0              # learning-rate multiplier of the weights that read the source (see the editors)
+    snr_gamma: float|None = None              # diffusion family: min-SNR-gamma weighting of the editor's loss, set per run (None: plain MSE), not taken from the checkpoint
     token_noise: float|None = None            # GPT family: share of the target tokens the editor reads as random codes; None: the checkpoint's
     source_copy: bool = False                 # GPT family: give a new editor the copy pointer (LatentGPTConfig.source_copy)
     source_token_margin: int|None = None      # GPT family: target cells this many cells away from every changed pixel take the source's token (None: off)
@@ -455,6 +456,7 @@ class EditConfig(Config):
         if not self.source_lr_scale > 0: raise ConfigError(f"EditConfig.source_lr_scale={self.source_lr_scale}: must be > 0 (1: the run's learning rate).")
         if self.source_token_margin is not None and self.source_token_margin < 0:
             raise ConfigError(f"EditConfig.source_token_margin={self.source_token_margin}: must be >= 0 (cells around a change that keep the target's token), or None.")
+        if self.snr_gamma is not None and not self.snr_gamma > 0: raise ConfigError(f"EditConfig.snr_gamma={self.snr_gamma}: must be > 0 (5.0 is usual), or None for plain MSE.")
         if not self.source_token_tolerance >= 0: raise ConfigError(f"EditConfig.source_token_tolerance={self.source_token_tolerance}: must be >= 0.")
         if self.token_noise is not None and not 0 <= self.token_noise < 1:
             raise ConfigError(f"EditConfig.token_noise={self.token_noise}: must be in [0, 1) (None: the checkpoint's).")

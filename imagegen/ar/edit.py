@@ -51,6 +51,8 @@ class GPTEditor(TextToImageGPT):
     def from_edit_config(cls, cfg:EditConfig) -> GPTEditor:
         "The editor of an editing run (`EditConfig.build` calls this for latent GPT folders): a text-to-image GPT made an editor, or an editor as it is."
         path = Path(cfg.pretrained_model_name_or_path)
+        if cfg.snr_gamma is not None: raise ConfigError(f"--snr_gamma {cfg.snr_gamma}: {path} is a latent GPT, trained with cross-entropy over its tokens; "
+                                                        "min-SNR weighting is an option of diffusion editors. Leave it unset.")
         meta = json.loads((path/GPT_FILE).read_text())
         if meta.get('task') == 'edit':
             m = cls.from_pretrained(path, train_text_encoder=cfg.train_text_encoder)

@@ -141,6 +141,7 @@ def from_edit_config(cls:LatentEditor, cfg:EditConfig) -> LatentEditor:
     if latent and unet_in == 2 * latent: m = cls.from_pretrained(path, **kw)
     else: m = cls.from_text_to_image(LatentDiffusion.from_pretrained(path, **kw))
     m.conditioning_dropout_prob, m.source_lr_scale = cfg.conditioning_dropout_prob, cfg.source_lr_scale
+    m.snr_gamma = cfg.snr_gamma                 # this run's loss weighting (saved with the editor), not the checkpoint's
     return m
 
 @patch
