@@ -15,7 +15,7 @@ def test_main_job_tiny(tmp_path):
     assert (out/'samples'/'grid.png').exists() and (out/'ldm'/'model'/'model_index.json').exists()
     assert (out/'ldm'/'run_info.json').exists() and list((out/'ldm'/'logs').rglob('events.out.tfevents*'))
     cfg = json.loads((out/'ldm'/'run_info.json').read_text())['config']      # the recipe of scripts/configs/main_ldm.yaml, steps from LDM_STEPS
-    assert cfg['model']['train_text_encoder'] and cfg['model']['pooled_text'] and cfg['data']['cache_latents']
+    assert cfg['model']['train_text_encoder'] and cfg['model']['pooled_text'] and cfg['data']['cache_latents'] and cfg['model']['snr_gamma'] == 5.0
     assert (cfg['train']['max_steps'], cfg['train']['batch_size'], cfg['train']['ema']) == (3, 64, True)
     assert f"metrics logged to TensorBoard {out/'ldm'/'logs'}" in p.stdout and 'step 3' in p.stdout   # evaluate.py -> the run's curves
     # TASK=edit starts from the text-to-image model just made (not trained again), fine-tunes the editor, scores held-out edits
@@ -28,6 +28,7 @@ def test_main_job_tiny(tmp_path):
     assert m['n_images'] == 8 and 0 <= m['edit/correct'] <= 1 and m['family'] == 'ldm-edit'
     cfg = json.loads((out/'ldm-edit'/'run_info.json').read_text())['config']   # scripts/configs/main_edit_ldm.yaml, steps from EDIT_STEPS
     assert (cfg['train']['max_steps'], cfg['train']['batch_size'], cfg['model']['pretrained_model_name_or_path']) == (3, 64, str(out/'ldm'/'model'))
+    assert cfg['model']['snr_gamma'] is None     # the editor recipe's plain MSE, not the text-to-image model's min-SNR
     assert (out/'ldm-edit-samples'/'grid.png').exists()
 
 

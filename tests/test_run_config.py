@@ -120,7 +120,7 @@ def test_main_job_config_is_the_main_recipe():
     r = resolve('train_ldm', ['--config', str(ROOT/'scripts'/'configs'/'main_ldm.yaml')])
     t, m, d = r['train'], r['model'], r['data']
     assert (t.max_steps, t.batch_size, t.lr, t.warmup_steps, t.ema, t.ema_decay, t.lr_scheduler) == (3500, 64, 5e-4, 100, True, 0.999, 'constant_with_warmup')
-    assert (m.train_text_encoder, m.pooled_text, m.resolution) == (True, True, 32)
+    assert (m.train_text_encoder, m.pooled_text, m.resolution, m.snr_gamma) == (True, True, 32, 5.0)   # min-SNR: held over four seeds (README)
     assert (d.cache_latents, d.caption_dropout, d.latent_mode, d.cache_text_embeddings) == (True, 0.1, False, False)   # its text encoder trains
     assert 'main_vae.yaml' in (ROOT/'Makefile').read_text() and 'main_ldm.yaml' in (ROOT/'Makefile').read_text()
 
