@@ -28,7 +28,9 @@ def test_main_job_tiny(tmp_path):
     assert m['n_images'] == 8 and 0 <= m['edit/correct'] <= 1 and m['family'] == 'ldm-edit'
     cfg = json.loads((out/'ldm-edit'/'run_info.json').read_text())['config']   # scripts/configs/main_edit_ldm.yaml, steps from EDIT_STEPS
     assert (cfg['train']['max_steps'], cfg['train']['batch_size'], cfg['model']['pretrained_model_name_or_path']) == (3, 64, str(out/'ldm'/'model'))
-    assert cfg['model']['snr_gamma'] is None     # the editor recipe's plain MSE, not the text-to-image model's min-SNR
+    assert cfg['model']['snr_gamma'] is None     # the editor recipe's plain MSE, not the text-to-image model's min-SNR ...
+    saved = json.loads((out/'ldm-edit'/'model'/'imagegen_ldm.json').read_text())
+    assert saved['snr_gamma'] is None and saved['config']['snr_gamma'] is None   # ... and so the editor it trained
     assert (out/'ldm-edit-samples'/'grid.png').exists()
 
 

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/04e_edit.ipynb #b35e2f01
 from __future__ import annotations
-import copy, json
+import copy, dataclasses, json
 from pathlib import Path
 import torch
 from torch import nn
@@ -142,6 +142,7 @@ def from_edit_config(cls:LatentEditor, cfg:EditConfig) -> LatentEditor:
     else: m = cls.from_text_to_image(LatentDiffusion.from_pretrained(path, **kw))
     m.conditioning_dropout_prob, m.source_lr_scale = cfg.conditioning_dropout_prob, cfg.source_lr_scale
     m.snr_gamma = cfg.snr_gamma                 # this run's loss weighting (saved with the editor), not the checkpoint's
+    if m.config: m.config = dataclasses.replace(m.config, snr_gamma=cfg.snr_gamma)   # the saved config says the same
     return m
 
 @patch
