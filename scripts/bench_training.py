@@ -33,8 +33,8 @@ def bench_data(n:int, batch_size:int, resolution:int, channels:int=4, tokens:int
     return DataLoader(TensorDataset(torch.randn(n, channels, resolution, resolution, generator=g), torch.randn(n, tokens, text_dim, generator=g)),
                       batch_size=batch_size, shuffle=True, drop_last=True)
 
-def bare_loop(steps:int, batch_size:int, resolution:int, device:str, mixed_precision:str='no', lr:float=1e-4) -> float:
-    "Images/s of a plain forward/backward/AdamW loop (first 2 steps untimed)."
+def bare_loop(steps:int, batch_size:int, resolution:int, device:str, mixed_precision:str='no', lr:float=1e-4, host_read:bool=False) -> float:
+    "Images/s of a plain forward/backward/AdamW loop (first 2 steps untimed); `host_read`: the loss is read on the host after every step, as a loop that decides on the host whether to apply an update must."
     task = NoisePrediction(tiny_unet(resolution).to(device))
     opt = torch.optim.AdamW(task.trainable.parameters(), lr=lr)
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(mixed_precision)
@@ -45,6 +45,7 @@ def bare_loop(steps:int, batch_size:int, resolution:int, device:str, mixed_preci
         with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):
             loss = task.loss(task.trainable, (x, e))
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        if host_read: loss.item()
     sync()
     return (steps - 2) * batch_size / (time.perf_counter() - t0)
 
@@ -57,7 +58,7 @@ def our_loop(steps:int, batch_size:int, resolution:int, mixed_precision:str='no'
 
 # AdamW as the bare loop's (unfused): the fused kernel is a fast path of its own, timed by `bench_fast_paths`
 VARIANTS = {'loop only (no clipping)': dict(max_grad_norm=None, fused_adamw=False), 'default (clip 1.0)': dict(fused_adamw=False),
-            'clip + EMA': dict(ema=True, fused_adamw=False)}
+            'clip + EMA': dict(ema=True, fused_adamw=False), 'clip + EMA per tensor (--foreach_ema false)': dict(ema=True, foreach_ema=False, fused_adamw=False)}
 
 def bench(steps:int=40, batch_size:int=8, resolution:int=32, mixed_precision:str='no', repeats:int=2) -> list[dict]:
     "Best-of-`repeats` images/s of the bare loop and of our loop in each variant, alternating runs."
@@ -65,8 +66,9 @@ def bench(steps:int=40, batch_size:int=8, resolution:int=32, mixed_precision:str
     device = str(accelerate.PartialState().device)
     best = {}
     for _ in range(repeats):
-        for name, kw in [('bare', None), *VARIANTS.items()]:
-            ips = bare_loop(steps, batch_size, resolution, device, mixed_precision) if kw is None else our_loop(steps, batch_size, resolution, mixed_precision, **kw)
+        for name, kw in [('bare', None), ('bare + one host read per step', 'read'), *VARIANTS.items()]:
+            ips = (bare_loop(steps, batch_size, resolution, device, mixed_precision, host_read=kw == 'read') if not isinstance(kw, dict)
+                   else our_loop(steps, batch_size, resolution, mixed_precision, **kw))
             best[name] = max(best.get(name, 0.0), ips)
     return [{'loop': k, 'images/s': v, 'ratio': v / best['bare']} for k, v in best.items()]
 

@@ -60,6 +60,7 @@ class TrainConfig(Config):
     ema_update_after_step: int = 0      # start the EMA after this many steps
     ema_warmup: bool = False            # diffusers' EMA warmup: decay grows as 1 - (1 + step)^-power
     ema_power: float = 2/3              # exponent of the EMA warmup
+    foreach_ema: bool = True            # diffusers' `--foreach_ema`: the EMA update in a few multi-tensor kernels (faster; briefly holds one more copy of the trained weights)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
     checkpoint_every: int|None = 500    # optimizer steps between checkpoints (resumable training state)
     checkpoints_total_limit: int|None = 3  # keep the newest N checkpoints; None: keep all
@@ -257,7 +258,7 @@ def _setup(self:Trainer, dataloader):
     self.sched = get_scheduler(cfg.lr_scheduler, self.opt.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.max_steps)
     if cfg.ema:
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
-                            use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power)
+                            use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power, foreach=cfg.foreach_ema)
         self.ema.to(acc.device)
     if hasattr(self.task, 'setup'): self.task.setup(acc, self.model)
 
@@ -480,15 +481,17 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     gn = torch.zeros((), device=acc.device) if gn is None else gn.detach().float()
     bad = sums[-1] > 0
     if acc.mixed_precision != 'fp16': bad = bad | ~torch.isfinite(gn)
-    extra = lambda x: torch.tensor(float(x), device=acc.device)
-    status = torch.cat([sums[:-1] / n_micro, torch.stack([extra(self._skipped), bad.float(), extra(self._stop_signal > 0), gn])])
+    # one read from the device per update: the losses, the verdict and the norm; the host's own counts join them
+    # only where ranks must agree (one small copy), since every copy to a GPU also makes the host wait for it
+    status = torch.cat([sums[:-1] / n_micro, torch.stack([bad.float(), gn])])
+    host = [float(self._skipped), float(self._stop_signal > 0)]
     self._skipped = 0
-    if acc.num_processes > 1: status = acc.reduce(status, 'sum')
-    vals = status.tolist()
+    if acc.num_processes > 1: vals = acc.reduce(torch.cat([status, torch.tensor(host, device=status.device)]), 'sum').tolist()
+    else: vals = status.tolist() + host
     n = acc.num_processes
-    logs = {k: v / n for k, v in zip(keys, vals[:len(keys)])} | {'grad_norm': vals[-1] / n, 'lr': self.sched.get_last_lr()[0]}
-    self.bad_samples += int(round(vals[-4]))   # bad samples met by every worker of every rank
-    if vals[-3] > 0: self._skip_bad(logs)
+    logs = {k: v / n for k, v in zip(keys, vals[:len(keys)])} | {'grad_norm': vals[-3] / n, 'lr': self.sched.get_last_lr()[0]}
+    self.bad_samples += int(round(vals[-2]))   # bad samples met by every worker of every rank
+    if vals[-4] > 0: self._skip_bad(logs)
     else:
         self.opt.step()
         if self.ema: self.ema.step(acc.unwrap_model(self.model).parameters())
@@ -496,7 +499,7 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     self.opt.zero_grad(set_to_none=True)
     self.sched.step()
     self.step += 1
-    if vals[-2] > 0:   # every rank stops after this same update, whichever rank was signalled and whenever
+    if vals[-1] > 0:   # every rank stops after this same update, whichever rank was signalled and whenever
         self._stopping = True
         if not self._stop_signal: self._stop_signal = int(signal.SIGTERM)  # another rank was signalled
     return logs
