@@ -8,13 +8,12 @@ import copy, dataclasses, json
 from pathlib import Path
 import torch
 from torch import nn
-from diffusers.utils.torch_utils import randn_tensor
 from diffusers import AutoencoderKL, StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
 from fastcore.basics import patch
 from ..config import ConfigError
 from ..edits import EditConfig, edit_dropout_masks, edit_sample_grid, make_edit_optimizer, prepare_sources
 from .ldm import LatentDiffusion, LDM_FILE
-from .sampling import make_scheduler, sample_latents
+from .sampling import draw_noise, make_scheduler, sample_latents
 
 # %% auto #0
 __all__ = ['expand_conv_in', 'LatentEditor', 'is_edit_folder']
@@ -85,7 +84,7 @@ def edit(self:LatentEditor, images, instructions:list[str], num_inference_steps:
     if len(x) != len(instructions): raise ValueError(f"{len(x)} source images for {len(instructions)} instructions.")
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     if isinstance(generator, list) and len(generator) != len(x): raise ValueError(f"{len(generator)} generators for {len(x)} source images.")
-    z = randn_tensor((len(x), *self.autoencoder.latent_shape(res, res)), generator=generator).to(self.device)   # one generator per image, or one for all
+    z = draw_noise((len(x), *self.autoencoder.latent_shape(res, res)), generator, self.device)   # one generator per image, or one for all
     with torch.no_grad():
         src = self.source_latents(x)
         cond, uncond = self.text_encoder.encode(instructions), self.text_encoder.empty_embedding(len(x))

@@ -11,14 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from diffusers import DDPMScheduler, IFPipeline, UNet2DConditionModel
-from diffusers.utils.torch_utils import randn_tensor
 from fastcore.basics import patch
 from transformers import AutoTokenizer, CLIPTextConfig, PreTrainedModel  # PreTrainedModel: diffusers looks it up in this module to load GlideTextModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.clip.modeling_clip import CLIPEncoder, CLIPPreTrainedModel
 from ..config import Config, ConfigError
 from .ldm import UNetWithTextEncoder, _drop_captions, diffusion_target, loss_weights
-from .sampling import make_scheduler, sample_latents
+from .sampling import draw_noise, make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder, train_clip_tokenizer
 from ..training.loop import make_optimizer
@@ -317,7 +316,7 @@ def generate(self:GlideDiffusion, prompts:list[str]|None=None, num_inference_ste
     prompts = list(prompts or self.sample_prompts)
     dev, res = self.device, self.resolution
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
-    x = latents if latents is not None else randn_tensor((len(prompts), self.image_channels, res, res), generator=generator)  # a generator per image works too
+    x = latents if latents is not None else draw_noise((len(prompts), self.image_channels, res, res), generator)  # a generator per image works too
     modules = (self.unet, self.text_encoder.model)
     was = [m.training for m in modules]
     for m in modules: m.eval()

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.training_utils import compute_snr
-from diffusers.utils.torch_utils import randn_tensor
 from fastcore.basics import patch
 from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
-from .sampling import make_scheduler, sample_latents
+from .sampling import draw_noise, make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder, load_text_encoder
 from ..config import Config, ConfigError
@@ -271,7 +270,7 @@ def generate(self:LatentDiffusion, prompts:list[str]|None=None, num_inference_st
     prompts = list(prompts or self.sample_prompts)
     dev, res = self.device, (self.config.resolution if self.config else self.unet.config.sample_size * self.autoencoder.downsample_factor)
     generator = generator or torch.Generator().manual_seed(seed)
-    z = randn_tensor((len(prompts), *self.autoencoder.latent_shape(res, res)), generator=generator).to(dev)   # one generator, or one per prompt
+    z = draw_noise((len(prompts), *self.autoencoder.latent_shape(res, res)), generator, dev)   # one generator, or one per prompt
     with torch.no_grad(): cond, uncond = self.text_encoder.encode(prompts), self.text_encoder.empty_embedding(len(prompts))
     was = self.unet.training; self.unet.eval()
     try: z = sample_latents(self.unet, make_scheduler(sampler, self.scheduler), cond, uncond, guidance_scale=guidance_scale,

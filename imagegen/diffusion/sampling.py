@@ -19,8 +19,8 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from ..text import tiny_clip_tokenizer
 
 # %% auto #0
-__all__ = ['SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'clip_encoder', 'as_encoder', 'make_generators', 'sample_latents',
-           'sample', 'to_pipeline', 'sample_distributed']
+__all__ = ['SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'clip_encoder', 'as_encoder', 'make_generators', 'draw_noise',
+           'sample_latents', 'sample', 'to_pipeline', 'sample_distributed']
 
 # %% ../../nbs/04a_sampling.ipynb #6831c727
 def tiny_sd_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:
@@ -87,6 +87,16 @@ def make_generators(seeds:int|Sequence[int], device='cpu') -> list[torch.Generat
     "One seeded `torch.Generator` per seed (an int `n` gives seeds `0..n-1`)."
     seeds = range(seeds) if isinstance(seeds, int) else seeds
     return [torch.Generator(device).manual_seed(int(s)) for s in seeds]
+
+# %% ../../nbs/04a_sampling.ipynb #d76911b4
+def _generator_device(generator) -> torch.device:
+    g = generator[0] if isinstance(generator, (list, tuple)) else generator
+    return torch.device('cpu') if g is None else g.device
+
+def draw_noise(shape:tuple, generator=None, device=None, dtype:torch.dtype|None=None) -> torch.Tensor:
+    "Standard normal noise of `shape` drawn on the device of `generator` (one, or one per sample; the CPU when None), returned on `device` (default: where it was drawn)."
+    x = randn_tensor(tuple(shape), generator=generator, device=_generator_device(generator), dtype=dtype)
+    return x if device is None else x.to(device)
 
 # %% ../../nbs/04a_sampling.ipynb #dce7607a
 def _step_kwargs(scheduler, generator, eta:float) -> dict:

@@ -12,12 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 from diffusers import DDPMScheduler, IFSuperResolutionPipeline, ModelMixin, UNet2DConditionModel  # ModelMixin: diffusers looks it up in this module to load ConditionSkipUNet
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
-from diffusers.utils.torch_utils import randn_tensor
 from fastcore.basics import patch
 from ..config import ConfigError
 from .glide import (GLIDE_FILE, GlideConfig, GlideDiffusion, _glide_tokenizer, _load_glide_parts,
                                       build_glide_scheduler, build_glide_text_model, build_glide_unet)
-from .sampling import make_scheduler, sample_latents
+from .sampling import draw_noise, make_scheduler, sample_latents
 from ..text import TextEncoder
 
 # %% auto #0
@@ -279,10 +278,10 @@ def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:to
     if len(low_res_images) != len(prompts): raise ValueError(f"{len(low_res_images)} low-resolution images for {len(prompts)} prompts: give one per prompt.")
     dev, res, level = self.device, self.resolution, self.noise_level if noise_level is None else noise_level
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)   # or one per image
-    x = randn_tensor((len(prompts), self.image_channels, res, res), generator=generator)           # IF's order: initial noise, then
+    x = draw_noise((len(prompts), self.image_channels, res, res), generator)           # IF's order: initial noise, then
     up = self.upsample(low_res_images.cpu())
     levels = torch.full((len(prompts),), level, dtype=torch.long)
-    cond = self.noising_scheduler.add_noise(up, randn_tensor(up.shape, generator=generator), levels)  # the augmentation noise
+    cond = self.noising_scheduler.add_noise(up, draw_noise(up.shape, generator, up.device), levels)  # the augmentation noise
     modules = (self.unet, self.text_encoder.model)
     was = [m.training for m in modules]
     for m in modules: m.eval()

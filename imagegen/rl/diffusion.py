@@ -10,7 +10,7 @@ import torch
 from diffusers import DDIMScheduler
 from diffusers.utils.torch_utils import randn_tensor
 from ..config import ConfigError, UserError
-from ..diffusion.sampling import make_scheduler
+from ..diffusion.sampling import draw_noise, make_scheduler
 from ..edits import prepare_sources
 from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
@@ -98,7 +98,7 @@ def diffusion_rollouts(model, prompts:Sequence[str], group_size:int, num_inferen
     sched = scheduler or rollout_scheduler(model, num_inference_steps)
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     res = _resolution(model)
-    z = randn_tensor((n, *model.autoencoder.latent_shape(res, res)), generator=generator).to(dev) * sched.init_noise_sigma
+    z = draw_noise((n, *model.autoencoder.latent_shape(res, res)), generator, dev) * sched.init_noise_sigma
     traj, logps = [z], []
     was = model.unet.training; model.unet.eval()
     try:
@@ -227,7 +227,7 @@ class DiffusionGRPO(RunPolicy):
             std = torch.stack([ddim_step_std(self.sched, self.sched.timesteps[k], self.eta) for k in self.train_steps]).to(mean.device, torch.float32)
             kl = (mean - batch['ref_mean']).pow(2).flatten(2).mean(-1) / (2 * std ** 2)
         loss, st = clipped_objective(logp, batch['old_logp'], batch['adv'], self.grpo.clip_range, kl=kl, kl_coef=self.grpo.kl_coef)
-        return {'loss': loss, **{k: torch.tensor(v) for k, v in st.items() if k != 'policy_loss'}, **batch['stats']}
+        return {'loss': loss, **{k: torch.tensor(v, device=loss.device) for k, v in st.items() if k != 'policy_loss'}, **batch['stats']}
 
     def batch_size(self, batch:dict) -> int: return len(batch['caption'])
     def to(self, device) -> DiffusionGRPO:

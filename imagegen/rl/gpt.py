@@ -142,7 +142,7 @@ class GPTGRPO(RunPolicy):
                             source_ids=batch.get('source_ids'), image_guidance_scale=self.ig)
         loss, st = clipped_objective(logp, batch['old_logp'], batch['adv'], self.grpo.clip_range, ref_logp=batch.get('ref_logp'),
                                      kl_coef=self.grpo.kl_coef)
-        return {'loss': loss, **{k: torch.tensor(v) for k, v in st.items() if k != 'policy_loss'}, **batch['stats']}
+        return {'loss': loss, **{k: torch.tensor(v, device=loss.device) for k, v in st.items() if k != 'policy_loss'}, **batch['stats']}
 
     def batch_size(self, batch:dict) -> int: return len(batch['caption'])
     def to(self, device) -> GPTGRPO:

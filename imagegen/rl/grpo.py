@@ -55,22 +55,22 @@ def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor
     "GRPO loss (scalar, to minimise) from per-decision log-probabilities `(B, T)` and advantages `(B,)`, and its stats; the KL to a reference from `ref_logp` (estimated) or `kl` `(B, T)` (exact)."
     if ref_logp is not None and kl is not None: raise ValueError("give the reference as ref_logp (estimated KL) or as kl (exact), not both.")
     if logp.shape != old_logp.shape: raise ValueError(f"logp {tuple(logp.shape)} and old_logp {tuple(old_logp.shape)} differ.")
-    m = torch.ones_like(logp) if mask is None else mask.to(logp.dtype)
+    m = torch.ones_like(logp) if mask is None else mask.to(logp.device, logp.dtype)   # rollouts may hold them on the CPU
     avg = lambda x: (x * m).sum() / m.sum().clamp_min(1)
-    log_ratio = logp - old_logp.detach()
+    log_ratio = logp - old_logp.detach().to(logp.device)
     ratio = log_ratio.exp()
-    a = adv.detach().to(logp.dtype)[:, None]                                         # (B, 1): one advantage per sample
+    a = adv.detach().to(logp.device, logp.dtype)[:, None]                                         # (B, 1): one advantage per sample
     surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_range, 1 + clip_range) * a)
     loss = -avg(surrogate)
     stats = {'policy_loss': loss.item(), 'clip_frac': avg(((ratio - 1).abs() > clip_range).to(logp.dtype)).item(),
              'ratio_min': ratio[m.bool()].min().item(), 'ratio_max': ratio[m.bool()].max().item(),
              'approx_kl_old': avg(ratio - 1 - log_ratio).item()}
     if ref_logp is not None:
-        d = ref_logp.detach() - logp
+        d = ref_logp.detach().to(logp.device) - logp
         kl = d.exp() - d - 1
     if kl is not None:
         if kl.shape != logp.shape: raise ValueError(f"kl {tuple(kl.shape)} and logp {tuple(logp.shape)} differ: give one KL per decision.")
-        kl = avg(kl)
+        kl = avg(kl.to(logp.device))
         loss = loss + kl_coef * kl
         stats['kl_ref'] = kl.item()
     return loss, stats

@@ -8,7 +8,7 @@ import copy
 from typing import Sequence
 import torch
 from torch import nn
-from diffusers.utils.torch_utils import randn_tensor
+from ..diffusion.sampling import draw_noise
 from ..hybrid import HybridPipeline
 from ..config import ConfigError, UserError
 from .diffusion import ddim_step_std, ddim_step_with_logprob, diffusion_logprobs, guided_prediction, rollout_scheduler
@@ -32,10 +32,10 @@ def upsampler_rollouts(decoder, low:torch.Tensor, prompts:Sequence[str], group_s
     level = decoder.noise_level if noise_level is None else noise_level
     sched = scheduler or rollout_scheduler(decoder, num_inference_steps)
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
-    x = randn_tensor((n, decoder.image_channels, decoder.resolution, decoder.resolution), generator=generator) * sched.init_noise_sigma
+    x = draw_noise((n, decoder.image_channels, decoder.resolution, decoder.resolution), generator) * sched.init_noise_sigma
     up = decoder.upsample(low.float().cpu()).repeat_interleave(group_size, 0)
     levels = torch.full((n,), level, dtype=torch.long)
-    concat = decoder.noising_scheduler.add_noise(up, randn_tensor(up.shape, generator=generator), levels)
+    concat = decoder.noising_scheduler.add_noise(up, draw_noise(up.shape, generator, up.device), levels)
     cond = decoder.text_encoder.encode(expanded)
     uncond = decoder.text_encoder.empty_embedding(n) if guidance_scale != 1.0 else None
     x, concat, levels = x.to(dev), concat.to(dev), levels.to(dev)
@@ -164,7 +164,7 @@ def _loss(self:HybridGRPO, model:nn.Module, batch:dict) -> dict:
         module = model if self.stage == 'ar' else _Route(model, 'ar')
         logp = gpt_logprobs(self.pipe.ar, batch['tokens'], batch['caption'], self.g, self.t, self.ratio_on, module=module)
         loss, st = clipped_objective(logp, batch['old_ar'], batch['adv_ar'], c.clip_range, ref_logp=batch.get('ref_ar'), kl_coef=c.kl_coef)
-        total = total + loss; out |= {f'ar/{k}': torch.tensor(v) for k, v in st.items()}
+        total = total + loss; out |= {f'ar/{k}': torch.tensor(v, device=loss.device) for k, v in st.items()}
     if self.trains_decoder:
         unet = model if self.stage == 'decoder' else _Route(model, 'decoder')
         logp, mean = self._decoder_logprobs(unet, batch)
@@ -173,7 +173,7 @@ def _loss(self:HybridGRPO, model:nn.Module, batch:dict) -> dict:
             std = torch.stack([ddim_step_std(self.sched, self.sched.timesteps[k], self.eta) for k in self.train_steps]).to(mean.device, torch.float32)
             kl = (mean - batch['ref_mean']).pow(2).flatten(2).mean(-1) / (2 * std ** 2)
         loss, st = clipped_objective(logp, batch['old_decoder'], batch['adv_decoder'], c.clip_range, kl=kl, kl_coef=c.kl_coef)
-        total = total + loss; out |= {f'decoder/{k}': torch.tensor(v) for k, v in st.items()}
+        total = total + loss; out |= {f'decoder/{k}': torch.tensor(v, device=loss.device) for k, v in st.items()}
     return {'loss': total, **out, **batch['stats']}
 
 def _batches(self:HybridGRPO, accelerator):

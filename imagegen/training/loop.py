@@ -232,6 +232,7 @@ def _setup(self:Trainer, dataloader):
     cfg, acc, model = self.cfg, self.acc, self.task.trainable
     # `acc.prepare` moves only `trainable`: the task's frozen parts (autoencoder, text encoder) go to the device with it
     if callable(getattr(self.task, 'to', None)): self.task.to(acc.device)
+    model.to(acc.device)   # before the optimizer: `fused_adamw=None` picks the fused kernel by where the weights are
     low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
     if low: raise ConfigError(f"trainable parameters must be float32 (mixed precision autocasts), found {low[:3]} in another dtype: build the model in float32.")
     if cfg.channels_last: model.to(memory_format=torch.channels_last)   # 4-D weights only; conv outputs follow them
@@ -543,7 +544,7 @@ def _run_epoch(self:Trainer, bar):
             loss, extras = self._loss(batch)
             acc.backward(loss)
             keys = keys or ['loss', *extras]
-            vec = torch.stack([loss.detach().float(), *(extras[k].detach().float() for k in keys[1:]), (~torch.isfinite(loss.detach())).float()])
+            vec = torch.stack([loss.detach().float(), *(extras[k].detach().float().to(loss.device) for k in keys[1:]), (~torch.isfinite(loss.detach())).float()])
             sums = vec if sums is None else sums + vec
             n_micro, self.batch_in_epoch = n_micro + 1, self.batch_in_epoch + 1
             self._images += batch_size_of(self.task, batch)
