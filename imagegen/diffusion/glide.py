@@ -293,8 +293,8 @@ def loss(self:GlideDiffusion, model:nn.Module, batch:dict, generator:torch.Gener
     if x0.shape[1] != self.image_channels: raise ValueError(f"GlideDiffusion.loss: pixel_values has {x0.shape[1]} channels; GLIDE models RGB images.")
     extra, kw = self.condition(x0, generator)                                # what the UNet reads besides the noisy image
     captions = _drop_captions(batch['caption'], self.uncond_p)               # classifier-free guidance: '' with probability uncond_p
-    noise = torch.randn(x0.shape, generator=generator, device=dev)
-    t = torch.randint(0, T, (len(x0),), generator=generator, device=dev)
+    noise = draw_noise(x0.shape, generator, dev)
+    t = torch.randint(0, T, (len(x0),), generator=generator, device=dev if generator is None else generator.device).to(dev)
     xt = self.scheduler.add_noise(x0, noise, t)
     inp = xt if extra is None else torch.cat([xt, extra], dim=1)
     if self.text_encoder.trainable: out = model(inp, t, self.text_encoder.tokenize(captions), **kw)

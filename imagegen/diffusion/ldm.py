@@ -233,12 +233,12 @@ def loss(self:LatentDiffusion, model:nn.Module, batch:dict, generator:torch.Gene
     dev = self.device
     if 'latent_mean' in batch:  # cached posterior (`cache_latents`): draw the sample here, as `encode(sample=True)` would
         m = batch['latent_mean'].to(dev).float()
-        latents = m + batch['latent_std'].to(dev).float() * torch.randn(m.shape, generator=generator, device=dev)
+        latents = m + batch['latent_std'].to(dev).float() * draw_noise(m.shape, generator, dev)
     else: latents = self.autoencoder.encode(batch['pixel_values'].to(dev), sample=True, generator=generator)
     captions, extra = self.condition(batch, generator)
-    noise = torch.randn(latents.shape, generator=generator, device=dev)
-    if self.noise_offset: noise = noise + self.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator, device=dev)
-    t = torch.randint(0, self.scheduler.config.num_train_timesteps, (len(latents),), generator=generator, device=dev)
+    noise = draw_noise(latents.shape, generator, dev)
+    if self.noise_offset: noise = noise + self.noise_offset * draw_noise((*latents.shape[:2], 1, 1), generator, dev)
+    t = torch.randint(0, self.scheduler.config.num_train_timesteps, (len(latents),), generator=generator, device=dev if generator is None else generator.device).to(dev)
     noisy = self.scheduler.add_noise(latents, noise, t)
     inp = noisy if extra is None else torch.cat([noisy, extra.to(noisy.dtype)], dim=1)
     if self.text_encoder.trainable:  # text model runs inside `trainable` (UNetWithTextEncoder)

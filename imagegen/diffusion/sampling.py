@@ -89,13 +89,13 @@ def make_generators(seeds:int|Sequence[int], device='cpu') -> list[torch.Generat
     return [torch.Generator(device).manual_seed(int(s)) for s in seeds]
 
 # %% ../../nbs/04a_sampling.ipynb #d76911b4
-def _generator_device(generator) -> torch.device:
+def _generator_device(generator, default='cpu') -> torch.device:
     g = generator[0] if isinstance(generator, (list, tuple)) else generator
-    return torch.device('cpu') if g is None else g.device
+    return torch.device(default) if g is None else g.device
 
 def draw_noise(shape:tuple, generator=None, device=None, dtype:torch.dtype|None=None) -> torch.Tensor:
-    "Standard normal noise of `shape` drawn on the device of `generator` (one, or one per sample; the CPU when None), returned on `device` (default: where it was drawn)."
-    x = randn_tensor(tuple(shape), generator=generator, device=_generator_device(generator), dtype=dtype)
+    "Standard normal noise of `shape` drawn on the device of `generator` (one, or one per sample) and returned on `device`; without a generator, drawn on `device` (default: the CPU)."
+    x = randn_tensor(tuple(shape), generator=generator, device=_generator_device(generator, device or 'cpu'), dtype=dtype)
     return x if device is None else x.to(device)
 
 # %% ../../nbs/04a_sampling.ipynb #dce7607a

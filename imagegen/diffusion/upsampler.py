@@ -241,8 +241,8 @@ def condition(self:GlideUpsampler, x0:torch.Tensor, generator:torch.Generator|No
     if x0.shape[-1] != x0.shape[-2] or x0.shape[-1] not in (self.resolution, crop):
         raise ValueError(f"GlideUpsampler.loss: images are {tuple(x0.shape[-2:])} but the upsampler makes {self.resolution}x{self.resolution}: load the data at its resolution.")
     cond = self.upsample(self.degrade(x0), x0.shape[-1])
-    level = torch.randint(0, self.noise_aug_max + 1, (len(x0),), generator=generator, device=x0.device)
-    cond = self.noising_scheduler.add_noise(cond, torch.randn(cond.shape, generator=generator, device=x0.device), level)
+    level = torch.randint(0, self.noise_aug_max + 1, (len(x0),), generator=generator, device=x0.device if generator is None else generator.device).to(x0.device)
+    cond = self.noising_scheduler.add_noise(cond, draw_noise(cond.shape, generator, x0.device), level)
     return cond, {'class_labels': level}
 
 @patch
