@@ -47,6 +47,20 @@ def test_two_ranks_stay_identical(gpt2):
     assert (info['model_info']['codebook_size'], info['config']['train']['experiment']) == (64, 'latent-gpt-pretrained-vqvae')
 
 
+
+def test_codebook_head_through_the_scripts(vq, tmp_path):
+    "The main recipe's head (`--output_head codebook`): trained, saved with the VQ model's code vectors, reloaded and sampled."
+    from imagegen.ar.task import TextToImageGPT
+    from imagegen.autoencoders.vq import VQTokenizer
+    run([sys.executable, 'scripts/train_gpt.py', '--vqvae', str(vq), '--output_dir', str(tmp_path/'run'),
+         *map(str, GPT_ARGS), '--max_steps', '2', '--output_head', 'codebook'])
+    m = TextToImageGPT.from_pretrained(tmp_path/'run'/'model')
+    assert m.gpt.config.output_head == 'codebook' and torch.equal(m.gpt.lm_head.code_vectors, VQTokenizer.from_pretrained(vq).code_vectors)
+    assert m.gpt.lm_head.bias.abs().sum() > 0                 # trained: the per-code bias moved from zero
+    run([sys.executable, 'scripts/sample.py', '--model', str(tmp_path/'run'/'model'), '--shapes_split', 'test', '--n', '2', '--out', str(tmp_path/'s')])
+    assert len((tmp_path/'s'/'samples.jsonl').read_text().splitlines()) == 2
+
+
 def test_sample_and_evaluate_on_two_ranks(gpt2, tmp_path):
     run_dir, _ = gpt2
     launch('scripts/sample.py', '--model', run_dir/'model', '--shapes_split', 'test', '--n', 5, '--batch_size', 2, '--top_k', 16,

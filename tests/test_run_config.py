@@ -107,9 +107,10 @@ def test_example_configs_resolve(path):
         assert type(m).__name__ == 'UpsamplerConfig' and (m.train_crop, m.condition_skip_std, m.condition_skip_flat_std, m.condition_realign,
                                                             m.condition_skip_scale_output, m.noise_aug_max, m.noise_level,
                                                             run_['train'].max_steps) == (64, 0.05, 0.01, True, True, 50, 0, 800)
-    if path.stem == 'main_gpt':   # the measured recipe (README): a text model without layers, 4800 steps, token noise 0.4
+    if path.stem == 'main_gpt':   # the measured recipe (README): a text model without layers, 4800 steps, token noise 0.4, the codebook head
         m = run_['model']
-        assert (m.text_layers, m.train_text_encoder, m.token_noise, m.guidance_scale, m.temperature, run_['train'].max_steps) == (0, True, 0.4, 1.5, 0.7, 4800)
+        assert (m.text_layers, m.train_text_encoder, m.token_noise, m.guidance_scale, m.temperature, m.output_head,
+                run_['train'].max_steps) == (0, True, 0.4, 1.5, 0.7, 'codebook', 4800)
     if path.stem == 'main_glide':   # the measured base recipe (README): text-only attention, heads of 8 channels, schedule shifted by 3, no text layer
         m = run_['model']
         assert (m.attention_head_dim, m.only_cross_attention, m.pooled_text, m.prediction_type, m.schedule_shift, m.text_layers, run_['train'].max_steps) == (8, True, True, 'v_prediction', 3.0, 0, 1300)

@@ -18,11 +18,12 @@ from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 from ..config import ConfigError
 
 # %% auto #0
-__all__ = ['POS_EMBEDDINGS', 'GPT_PRESETS', 'LatentGPTConfig', 'residual_projection', 'SelfAttention', 'CrossAttention', 'MLP',
-           'LatentGPTCache', 'Block', 'LatentGPT', 'sample_from_logits']
+__all__ = ['POS_EMBEDDINGS', 'OUTPUT_HEADS', 'GPT_PRESETS', 'LatentGPTConfig', 'residual_projection', 'SelfAttention',
+           'CrossAttention', 'MLP', 'LatentGPTCache', 'Block', 'CodebookHead', 'LatentGPT', 'sample_from_logits']
 
 # %% ../../nbs/05a_gpt.ipynb #fcfb0d50
 POS_EMBEDDINGS = ('learned', '2d')
+OUTPUT_HEADS = ('linear', 'codebook')
 
 class LatentGPTConfig(PreTrainedConfig):
     "Shape of a `LatentGPT`: the token grid and codebook, the transformer, and the text it reads."
@@ -44,6 +45,9 @@ class LatentGPTConfig(PreTrainedConfig):
     source_copy: bool = False             # editing: the output head can also copy source tokens (a pointer over the source cells, zero-initialised gate)
     bias: bool = True                     # biases in linear layers and layer norms
     tie_word_embeddings: bool = False     # share the token embedding with the output head
+    output_head: str = 'linear'           # 'linear': a free row per code | 'codebook': each code's row made from its VQ code vector (see "The codebook head")
+    code_dim: int | None = None           # 'codebook': the width of the VQ code vectors
+    head_hidden: int = 256                # 'codebook': hidden width of the MLP from code vector to output row
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-5
     fp32_residual: bool = True            # under autocast, keep the residual stream in float32 (False: in the autocast dtype, as Megatron-LM)
@@ -67,6 +71,10 @@ class LatentGPTConfig(PreTrainedConfig):
         if not self.mlp_ratio > 0: bad('mlp_ratio', "must be > 0.")
         if self.aligned_source and not self.source_tokens: bad('aligned_source', "needs source_tokens=True (an editor reads a source image).")
         if self.source_copy and not self.source_tokens: bad('source_copy', "needs source_tokens=True (an editor reads a source image).")
+        if self.output_head not in OUTPUT_HEADS: bad('output_head', f"choose one of {OUTPUT_HEADS}.")
+        if self.output_head == 'codebook':
+            if not self.code_dim or self.code_dim < 1: bad('code_dim', "the codebook head needs the width of the VQ code vectors (>= 1).")
+            if self.tie_word_embeddings: bad('tie_word_embeddings', "the codebook head makes its rows from the code vectors: nothing to tie.")
 
     @property
     def n_positions(self) -> int: return self.token_grid[0] * self.token_grid[1]
@@ -191,6 +199,30 @@ class Block(GradientCheckpointingLayer):
         x = x + self.drop(self.cross(self.ln_2(x), k, v, text_mask))
         return x + self.drop(self.mlp(self.ln_3(x)))
 
+# %% ../../nbs/05a_gpt.ipynb #c0deb00b
+class CodebookHead(nn.Module):
+    "Output logits `h · g(e_k) + b_k`: each code's row made by an MLP `g` from its (frozen) VQ code vector `e_k`."
+    def __init__(self, n_embd:int, vocab_size:int, code_dim:int, hidden:int=256):
+        super().__init__()
+        self.register_buffer('code_vectors', torch.zeros(vocab_size, code_dim))   # saved with the weights, never trained
+        self.fc, self.proj = nn.Linear(code_dim, hidden), nn.Linear(hidden, n_embd)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def rows(self) -> torch.Tensor:
+        "The output rows `(V, n_embd)`, one per code."
+        return self.proj(F.gelu(self.fc(self.code_vectors), approximate='tanh'))
+
+    def forward(self, h:torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.rows().to(h.dtype), self.bias.to(h.dtype))
+
+    @torch.no_grad()
+    def set_code_vectors(self, vectors:torch.Tensor):
+        "Copy the VQ codebook `(V, code_dim)` in (a model built for this codebook)."
+        if tuple(vectors.shape) != tuple(self.code_vectors.shape):
+            raise ValueError(f"code vectors of shape {tuple(vectors.shape)} for a head built for {tuple(self.code_vectors.shape)} "
+                             "(vocab_size, code_dim): build the model from this VQ model's codebook.")
+        self.code_vectors.copy_(vectors.to(self.code_vectors))
+
 # %% ../../nbs/05a_gpt.ipynb #7ef7ab24
 class LatentGPT(PreTrainedModel):
     "Decoder-only transformer over VQ token grids with cross-attention to text states and a learned null text."
@@ -214,7 +246,8 @@ class LatentGPT(PreTrainedModel):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        self.lm_head = (CodebookHead(C, config.vocab_size, config.code_dim, config.head_hidden) if config.output_head == 'codebook'
+                        else nn.Linear(C, config.vocab_size, bias=False))
         if config.source_tokens:                                # editing: the source image's codes and a learned null source
             self.src_wte = nn.Embedding(config.vocab_size, C)
             self.null_source = nn.Parameter(torch.zeros(1, C))
@@ -234,12 +267,13 @@ class LatentGPT(PreTrainedModel):
             init.normal_(module.bos, mean=0.0, std=std); init.normal_(module.null_text, mean=0.0, std=std)
             if module.config.source_tokens: init.normal_(module.null_source, mean=0.0, std=std)
             if module.config.source_tokens and module.config.aligned_source: init.zeros_(module.src_in.weight)
+            if isinstance(module.lm_head, CodebookHead): init.zeros_(module.lm_head.bias)
             if module.config.source_tokens and module.config.source_copy:
                 init.zeros_(module.copy_gate.weight); init.zeros_(module.copy_gate.bias)
 
     def get_input_embeddings(self) -> nn.Embedding: return self.wte
     def set_input_embeddings(self, value:nn.Embedding): self.wte = value
-    def get_output_embeddings(self) -> nn.Linear: return self.lm_head
+    def get_output_embeddings(self) -> nn.Linear|None: return self.lm_head if isinstance(self.lm_head, nn.Linear) else None
     def enable_gradient_checkpointing(self):
         "Recompute each block's activations in the backward pass (the shared loop calls this)."
         self.activation_checkpointing_enable()

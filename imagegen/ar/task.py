@@ -47,6 +47,7 @@ class GPTConfig(Config):
     token_noise:float = 0.0              # training: share of input tokens replaced by random codes (targets stay clean)
     fp32_residual:bool = True            # under bf16/fp16 autocast keep the residual stream in float32 (False: autocast dtype, faster on GPUs)
     bias:bool = True                     # biases in the transformer's linear layers and layer norms (False: none, as PaLM and LLaMA; faster on GPUs)
+    output_head:str = 'linear'           # 'codebook': each code's output row made from its VQ code vector (held-out colour-shape pairs, README); 'linear': one free row per code
     guidance_scale:float = 3.0           # default CFG scale for samples (1 = off)
     temperature:float = 1.0              # default sampling temperature
     top_k:int|None = None                # default top-k (None: off)
@@ -68,6 +69,7 @@ class GPTConfig(Config):
         if self.text_layers < 0: bad('text_layers', "must be >= 0 (0: token and position embeddings only).")
         if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}.")
         if self.pos_embedding not in ('2d', 'learned'): bad('pos_embedding', "use '2d' or 'learned'.")
+        if self.output_head not in ('linear', 'codebook'): bad('output_head', "use 'linear' or 'codebook'.")
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
         if not 0 <= self.token_noise < 1: bad('token_noise', "must be in [0, 1).")
         if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0): bad('guidance_scale', "must be >= 0 (1 = no guidance).")
@@ -135,7 +137,8 @@ def gpt_config(cfg:GPTConfig, tokenizer:VQTokenizer, text_encoder:TextEncoder) -
     return LatentGPTConfig(vocab_size=tokenizer.vocab_size, token_grid=tokenizer.token_grid(cfg.resolution), n_layer=cfg.n_layer,
                            n_embd=cfg.n_embd, n_head=cfg.n_head, text_dim=text_encoder.hidden_size, text_len=text_encoder.max_length,
                            pos_embedding=cfg.pos_embedding, dropout=cfg.dropout, fp32_residual=cfg.fp32_residual,
-                           bias=cfg.bias)
+                           bias=cfg.bias, output_head=cfg.output_head,
+                           code_dim=tokenizer.code_dim if cfg.output_head == 'codebook' else None)
 
 @patch(cls_method=True)
 def from_config(cls:TextToImageGPT, cfg:GPTConfig|str='tiny', corpus:list[str]|None=None, tokenizer:VQTokenizer|None=None,
@@ -148,7 +151,9 @@ def from_config(cls:TextToImageGPT, cfg:GPTConfig|str='tiny', corpus:list[str]|N
                                            max_length=cfg.text_max_length, trainable=cfg.train_text_encoder, cache_dir=cfg.cache_dir,
                                            owner='GPTConfig', layout=cfg.text_layout, revision=cfg.revision)
     if cfg.transformer: gpt = LatentGPT.from_pretrained(cfg.transformer, cache_dir=cfg.cache_dir, revision=cfg.revision)
-    else: gpt = LatentGPT(gpt_config(cfg, tok, te))
+    else:
+        gpt = LatentGPT(gpt_config(cfg, tok, te))
+        if cfg.output_head == 'codebook': gpt.lm_head.set_code_vectors(tok.code_vectors)
     prompts = sample_prompts or (list(dict.fromkeys(corpus))[:4] if corpus else None)
     return cls(gpt, tok, te, cfg, prompts)
 

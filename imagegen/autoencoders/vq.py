@@ -361,6 +361,14 @@ class VQTokenizer(nn.Module):
     @property
     def code_dim(self) -> int: return int(self.vqmodel.quantize.vq_embed_dim)
     @property
+    def code_vectors(self) -> torch.Tensor:
+        "The codebook `(vocab_size, code_dim)`: row `i` is the vector that token id `i` stands for."
+        q = self.vqmodel.quantize
+        if getattr(q, 'remap', None) is not None:
+            raise ValueError("this VQ model remaps its codebook (`remap`), so token ids are not rows of the codebook: "
+                             "its code vectors cannot feed a codebook head; use output_head='linear'.")
+        return q.embedding.weight.detach()
+    @property
     def downsample_factor(self) -> int: return 2 ** (len(self.vqmodel.config.block_out_channels) - 1)
     @property
     def device(self) -> torch.device: return self.vqmodel.device
