@@ -207,6 +207,12 @@ class CodebookHead(nn.Module):
         self.register_buffer('code_vectors', torch.zeros(vocab_size, code_dim))   # saved with the weights, never trained
         self.fc, self.proj = nn.Linear(code_dim, hidden), nn.Linear(hidden, n_embd)
         self.bias = nn.Parameter(torch.zeros(vocab_size))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        "PyTorch's default initialisation for the MLP (not GPT-2's 0.02): code vectors of unit size then reach the GELU at O(0.1-1), so rows start as a nonlinear function of the vector; the per-code bias at zero."
+        self.fc.reset_parameters(); self.proj.reset_parameters(); self.bias.zero_()
 
     def rows(self) -> torch.Tensor:
         "The output rows `(V, n_embd)`, one per code."
@@ -267,7 +273,7 @@ class LatentGPT(PreTrainedModel):
             init.normal_(module.bos, mean=0.0, std=std); init.normal_(module.null_text, mean=0.0, std=std)
             if module.config.source_tokens: init.normal_(module.null_source, mean=0.0, std=std)
             if module.config.source_tokens and module.config.aligned_source: init.zeros_(module.src_in.weight)
-            if isinstance(module.lm_head, CodebookHead): init.zeros_(module.lm_head.bias)
+            if isinstance(module.lm_head, CodebookHead): module.lm_head.reset_parameters()
             if module.config.source_tokens and module.config.source_copy:
                 init.zeros_(module.copy_gate.weight); init.zeros_(module.copy_gate.bias)
 
