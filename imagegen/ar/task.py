@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from fastcore.basics import patch
 from ..autoencoders.vq import VQTokenizer
-from .model import LatentGPT, LatentGPTConfig
+from .model import OUTPUT_HEADS, LatentGPT, LatentGPTConfig
 from ..config import Config, ConfigError
 from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
 from ..grids import to_pil
@@ -69,7 +69,7 @@ class GPTConfig(Config):
         if self.text_layers < 0: bad('text_layers', "must be >= 0 (0: token and position embeddings only).")
         if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}.")
         if self.pos_embedding not in ('2d', 'learned'): bad('pos_embedding', "use '2d' or 'learned'.")
-        if self.output_head not in ('linear', 'codebook'): bad('output_head', "use 'linear' or 'codebook'.")
+        if self.output_head not in OUTPUT_HEADS: bad('output_head', "use 'linear' or 'codebook'.")
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
         if not 0 <= self.token_noise < 1: bad('token_noise', "must be in [0, 1).")
         if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0): bad('guidance_scale', "must be >= 0 (1 = no guidance).")

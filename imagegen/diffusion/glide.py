@@ -17,7 +17,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.clip.modeling_clip import CLIPEncoder, CLIPPreTrainedModel
 from ..config import Config, ConfigError
 from .ldm import UNetWithTextEncoder, _drop_captions, diffusion_target, loss_weights
-from .sampling import draw_noise, make_scheduler, sample_latents
+from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder, train_clip_tokenizer
 from ..training.loop import make_optimizer
@@ -294,7 +294,7 @@ def loss(self:GlideDiffusion, model:nn.Module, batch:dict, generator:torch.Gener
     extra, kw = self.condition(x0, generator)                                # what the UNet reads besides the noisy image
     captions = _drop_captions(batch['caption'], self.uncond_p)               # classifier-free guidance: '' with probability uncond_p
     noise = draw_noise(x0.shape, generator, dev)
-    t = torch.randint(0, T, (len(x0),), generator=generator, device=dev if generator is None else generator.device).to(dev)
+    t = draw_timesteps(T, len(x0), generator, dev)
     xt = self.scheduler.add_noise(x0, noise, t)
     inp = xt if extra is None else torch.cat([xt, extra], dim=1)
     if self.text_encoder.trainable: out = model(inp, t, self.text_encoder.tokenize(captions), **kw)

@@ -14,7 +14,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNe
 from diffusers.training_utils import compute_snr
 from fastcore.basics import patch
 from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
-from .sampling import draw_noise, make_scheduler, sample_latents
+from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder, load_text_encoder
 from ..config import Config, ConfigError
@@ -238,7 +238,7 @@ def loss(self:LatentDiffusion, model:nn.Module, batch:dict, generator:torch.Gene
     captions, extra = self.condition(batch, generator)
     noise = draw_noise(latents.shape, generator, dev)
     if self.noise_offset: noise = noise + self.noise_offset * draw_noise((*latents.shape[:2], 1, 1), generator, dev)
-    t = torch.randint(0, self.scheduler.config.num_train_timesteps, (len(latents),), generator=generator, device=dev if generator is None else generator.device).to(dev)
+    t = draw_timesteps(self.scheduler.config.num_train_timesteps, len(latents), generator, dev)
     noisy = self.scheduler.add_noise(latents, noise, t)
     inp = noisy if extra is None else torch.cat([noisy, extra.to(noisy.dtype)], dim=1)
     if self.text_encoder.trainable:  # text model runs inside `trainable` (UNetWithTextEncoder)

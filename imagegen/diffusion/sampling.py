@@ -20,7 +20,7 @@ from ..text import tiny_clip_tokenizer
 
 # %% auto #0
 __all__ = ['SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'clip_encoder', 'as_encoder', 'make_generators', 'draw_noise',
-           'sample_latents', 'sample', 'to_pipeline', 'sample_distributed']
+           'draw_timesteps', 'sample_latents', 'sample', 'to_pipeline', 'sample_distributed']
 
 # %% ../../nbs/04a_sampling.ipynb #6831c727
 def tiny_sd_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:
@@ -97,6 +97,11 @@ def draw_noise(shape:tuple, generator=None, device=None, dtype:torch.dtype|None=
     "Standard normal noise of `shape` drawn on the device of `generator` (one, or one per sample) and returned on `device`; without a generator, drawn on `device` (default: the CPU)."
     x = randn_tensor(tuple(shape), generator=generator, device=_generator_device(generator, device or 'cpu'), dtype=dtype)
     return x if device is None else x.to(device)
+
+def draw_timesteps(high:int, n:int, generator:torch.Generator|None=None, device=None) -> torch.Tensor:
+    "`n` integers in `[0, high)` (timesteps, noise levels) drawn as `draw_noise` draws: on `generator`'s device, returned on `device`."
+    t = torch.randint(0, high, (n,), generator=generator, device=_generator_device(generator, device or 'cpu'))
+    return t if device is None else t.to(device)
 
 # %% ../../nbs/04a_sampling.ipynb #dce7607a
 def _step_kwargs(scheduler, generator, eta:float) -> dict:

@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from ..config import ConfigError
 from .glide import (GLIDE_FILE, GlideConfig, GlideDiffusion, _glide_tokenizer, _load_glide_parts,
                                       build_glide_scheduler, build_glide_text_model, build_glide_unet)
-from .sampling import draw_noise, make_scheduler, sample_latents
+from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
 from ..text import TextEncoder
 
 # %% auto #0
@@ -241,7 +241,7 @@ def condition(self:GlideUpsampler, x0:torch.Tensor, generator:torch.Generator|No
     if x0.shape[-1] != x0.shape[-2] or x0.shape[-1] not in (self.resolution, crop):
         raise ValueError(f"GlideUpsampler.loss: images are {tuple(x0.shape[-2:])} but the upsampler makes {self.resolution}x{self.resolution}: load the data at its resolution.")
     cond = self.upsample(self.degrade(x0), x0.shape[-1])
-    level = torch.randint(0, self.noise_aug_max + 1, (len(x0),), generator=generator, device=x0.device if generator is None else generator.device).to(x0.device)
+    level = draw_timesteps(self.noise_aug_max + 1, len(x0), generator, x0.device)
     cond = self.noising_scheduler.add_noise(cond, draw_noise(cond.shape, generator, x0.device), level)
     return cond, {'class_labels': level}
 
