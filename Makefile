@@ -104,11 +104,13 @@ define TRAIN_ldm
 	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/samples
 endef
+# LEVEL=mixed: the codebook head also gets a free row per code (its two-object shapes and sizes: README, "Two objects with a relation")
+GPT_LEVEL_ARGS = $(if $(filter mixed,$(LEVEL)),--head_free_rows true)
 define TRAIN_gpt
 	$(LAUNCH) scripts/train_vqvae.py --config scripts/configs/main_vqvae.yaml --output_dir $(MAIN)/vqvae \
 	  $(FIRST_STAGE_DATA) $(if $(VQ_STEPS),--max_train_steps $(VQ_STEPS))
 	$(LAUNCH) scripts/train_gpt.py --config scripts/configs/main_gpt.yaml --output_dir $(MAIN)/gpt --vqvae $(MAIN)/vqvae/model \
-	  --train_data_dir $(TRAIN_DATA) $(if $(GPT_STEPS),--max_train_steps $(GPT_STEPS))
+	  --train_data_dir $(TRAIN_DATA) $(GPT_LEVEL_ARGS) $(if $(GPT_STEPS),--max_train_steps $(GPT_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/gpt/model --shapes_split test --n $(N_EVAL) --out $(MAIN)/gpt-samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/gpt-samples
 endef

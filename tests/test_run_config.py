@@ -150,6 +150,9 @@ def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):
         level2 = command('scripts/sample.py', '--shapes_level 2')
         assert f'--out {tmp_path}/{samples}-level2' in level2 and args in level2 and '--upsampler' not in level2
         assert command('scripts/evaluate.py', f'{samples}-level2')
+    # the GPT's codebook head gets its free rows at LEVEL=mixed only (README: two-object scenes)
+    assert '--head_free_rows true' in main_command(tmp_path, 'scripts/train_gpt.py', args=('FAMILY=gpt', 'LEVEL=mixed'))
+    assert '--head_free_rows' not in main_command(tmp_path, 'scripts/train_gpt.py', args=('FAMILY=gpt',))
     p = run(['make', '-s', 'main', f'MAIN={tmp_path}', 'LEVEL=2'], check=False)
     assert p.returncode != 0 and 'LEVEL is 1, or mixed' in p.stdout + p.stderr
 

@@ -48,6 +48,7 @@ class LatentGPTConfig(PreTrainedConfig):
     output_head: str = 'linear'           # 'linear': a free row per code | 'codebook': each code's row made from its VQ code vector (see "The codebook head")
     code_dim: int | None = None           # 'codebook': the width of the VQ code vectors
     head_hidden: int = 256                # 'codebook': hidden width of the MLP from code vector to output row
+    head_free_rows: bool = False          # 'codebook': also a free row per code, added to the MLP's and zero at the start
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-5
     fp32_residual: bool = True            # under autocast, keep the residual stream in float32 (False: in the autocast dtype, as Megatron-LM)
@@ -75,6 +76,7 @@ class LatentGPTConfig(PreTrainedConfig):
         if self.output_head == 'codebook':
             if not self.code_dim or self.code_dim < 1: bad('code_dim', "the codebook head needs the width of the VQ code vectors (>= 1).")
             if self.tie_word_embeddings: bad('tie_word_embeddings', "the codebook head makes its rows from the code vectors: nothing to tie.")
+        elif self.head_free_rows: bad('head_free_rows', "adds free rows to the codebook head: set output_head='codebook' (the linear head's rows are all free).")
 
     @property
     def n_positions(self) -> int: return self.token_grid[0] * self.token_grid[1]
@@ -201,22 +203,25 @@ class Block(GradientCheckpointingLayer):
 
 # %% ../../nbs/05a_gpt.ipynb #c0deb00b
 class CodebookHead(nn.Module):
-    "Output logits `h · g(e_k) + b_k`: each code's row made by an MLP `g` from its (frozen) VQ code vector `e_k`."
-    def __init__(self, n_embd:int, vocab_size:int, code_dim:int, hidden:int=256):
+    "Output logits `h · (g(e_k) + d_k) + b_k`: each code's row made by an MLP `g` from its (frozen) VQ code vector `e_k`, plus an optional free row `d_k`."
+    def __init__(self, n_embd:int, vocab_size:int, code_dim:int, hidden:int=256, free_rows:bool=False):
         super().__init__()
         self.register_buffer('code_vectors', torch.zeros(vocab_size, code_dim))   # saved with the weights, never trained
         self.fc, self.proj = nn.Linear(code_dim, hidden), nn.Linear(hidden, n_embd)
         self.bias = nn.Parameter(torch.zeros(vocab_size))
+        self.free_rows = nn.Parameter(torch.zeros(vocab_size, n_embd)) if free_rows else None
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self):
-        "PyTorch's default initialisation for the MLP (not GPT-2's 0.02): code vectors of unit size then reach the GELU at O(0.1-1), so rows start as a nonlinear function of the vector; the per-code bias at zero."
+        "PyTorch's default initialisation for the MLP (not GPT-2's 0.02): code vectors of unit size then reach the GELU at O(0.1-1), so rows start as a nonlinear function of the vector; the per-code bias and the free rows at zero."
         self.fc.reset_parameters(); self.proj.reset_parameters(); self.bias.zero_()
+        if self.free_rows is not None: self.free_rows.zero_()
 
     def rows(self) -> torch.Tensor:
         "The output rows `(V, n_embd)`, one per code."
-        return self.proj(F.gelu(self.fc(self.code_vectors), approximate='tanh'))
+        rows = self.proj(F.gelu(self.fc(self.code_vectors), approximate='tanh'))
+        return rows if self.free_rows is None else rows + self.free_rows
 
     def forward(self, h:torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.rows().to(h.dtype), self.bias.to(h.dtype))
@@ -252,7 +257,7 @@ class LatentGPT(PreTrainedModel):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
-        self.lm_head = (CodebookHead(C, config.vocab_size, config.code_dim, config.head_hidden) if config.output_head == 'codebook'
+        self.lm_head = (CodebookHead(C, config.vocab_size, config.code_dim, config.head_hidden, config.head_free_rows) if config.output_head == 'codebook'
                         else nn.Linear(C, config.vocab_size, bias=False))
         if config.source_tokens:                                # editing: the source image's codes and a learned null source
             self.src_wte = nn.Embedding(config.vocab_size, C)

@@ -48,6 +48,7 @@ class GPTConfig(Config):
     fp32_residual:bool = True            # under bf16/fp16 autocast keep the residual stream in float32 (False: autocast dtype, faster on GPUs)
     bias:bool = True                     # biases in the transformer's linear layers and layer norms (False: none, as PaLM and LLaMA; faster on GPUs)
     output_head:str = 'linear'           # 'codebook': each code's output row made from its VQ code vector (held-out colour-shape pairs, README); 'linear': one free row per code
+    head_free_rows:bool = False          # 'codebook': also a free row per code, added to the MLP's (zero at the start; README: two-object scenes)
     guidance_scale:float = 3.0           # default CFG scale for samples (1 = off)
     temperature:float = 1.0              # default sampling temperature
     top_k:int|None = None                # default top-k (None: off)
@@ -70,6 +71,7 @@ class GPTConfig(Config):
         if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}.")
         if self.pos_embedding not in ('2d', 'learned'): bad('pos_embedding', "use '2d' or 'learned'.")
         if self.output_head not in OUTPUT_HEADS: bad('output_head', "use 'linear' or 'codebook'.")
+        if self.head_free_rows and self.output_head != 'codebook': bad('head_free_rows', "adds free rows to the codebook head: set output_head='codebook' too.")
         if not 0 <= self.dropout < 1: bad('dropout', "must be in [0, 1).")
         if not 0 <= self.token_noise < 1: bad('token_noise', "must be in [0, 1).")
         if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0): bad('guidance_scale', "must be >= 0 (1 = no guidance).")
@@ -137,7 +139,7 @@ def gpt_config(cfg:GPTConfig, tokenizer:VQTokenizer, text_encoder:TextEncoder) -
     return LatentGPTConfig(vocab_size=tokenizer.vocab_size, token_grid=tokenizer.token_grid(cfg.resolution), n_layer=cfg.n_layer,
                            n_embd=cfg.n_embd, n_head=cfg.n_head, text_dim=text_encoder.hidden_size, text_len=text_encoder.max_length,
                            pos_embedding=cfg.pos_embedding, dropout=cfg.dropout, fp32_residual=cfg.fp32_residual,
-                           bias=cfg.bias, output_head=cfg.output_head,
+                           bias=cfg.bias, output_head=cfg.output_head, head_free_rows=cfg.head_free_rows,
                            code_dim=tokenizer.code_dim if cfg.output_head == 'codebook' else None)
 
 @patch(cls_method=True)
