@@ -321,6 +321,7 @@ def text_states(self:LatentGPT, encoder_hidden_states:torch.Tensor|None, cond_ma
         raise ValueError(f"encoder_hidden_states has shape {tuple(e.shape)}, expected (B, L, text_dim={cfg.text_dim}): "
                          "build the model with the text encoder's hidden size as text_dim.")
     B, L, _ = e.shape
+    e = e.to(self.text_proj.weight.dtype)                     # the text encoder's float32 states into a model cast to bf16/float64
     if L > cfg.text_len:
         raise ValueError(f"the text has {L} tokens but the model accepts at most text_len={cfg.text_len}: "
                          "truncate the prompts (the tokenizer's max_length) or build the model with a larger text_len.")
