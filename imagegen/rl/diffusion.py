@@ -5,6 +5,7 @@
 # %% ../../nbs/06d_diffusion_grpo.ipynb #4f41b022
 from __future__ import annotations
 import copy, math
+from contextlib import contextmanager
 from typing import Sequence
 import torch
 from diffusers import DDIMScheduler
@@ -12,13 +13,13 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..config import ConfigError, UserError
 from ..diffusion.sampling import draw_noise, make_scheduler
 from ..edits import prepare_sources
-from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
+from .grpo import GRPOConfig, Route, RunPolicy, Trainables, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
 from ..training.loop import derived_seed
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'ddim_step_std', 'ddim_step_with_logprob', 'guided_prediction', 'rollout_scheduler',
-           'diffusion_rollouts', 'diffusion_logprobs', 'add_lora', 'save_with_lora', 'DiffusionGRPO']
+           'diffusion_rollouts', 'diffusion_logprobs', 'eval_mode', 'add_lora', 'save_with_lora', 'DiffusionGRPO']
 
 # %% ../../nbs/06d_diffusion_grpo.ipynb #476b485f
 def ddim_step_std(scheduler:DDIMScheduler, t, eta:float) -> torch.Tensor:
@@ -131,6 +132,13 @@ def diffusion_logprobs(unet, scheduler:DDIMScheduler, latents:torch.Tensor, step
 # %% ../../nbs/06d_diffusion_grpo.ipynb #530cd1d1
 LORA_TARGETS = ('to_k', 'to_q', 'to_v', 'to_out.0')
 
+@contextmanager
+def eval_mode(module:torch.nn.Module):
+    "`module` in eval mode (dropout off) inside the block, its mode restored after."
+    was = module.training; module.eval()
+    try: yield module
+    finally: module.train(was)
+
 def add_lora(unet, rank:int, alpha:float|None=None):
     "LoRA adapters of `rank` (peft, through diffusers' adapter API) on the UNet's attention projections; the base weights frozen."
     from peft import LoraConfig
@@ -154,7 +162,8 @@ class DiffusionGRPO(RunPolicy):
     "GRPO fine-tuning of a latent diffusion model (text-to-image, or an InstructPix2Pix editor on prompts with source images) as a task for the shared loop; full or LoRA."
     def __init__(self, model, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4, guidance_scale:float|None=None,
                  num_inference_steps:int=10, eta:float=1.0, train_steps:int|None=None, inner_steps:int=1,
-                 image_guidance_scale:float|None=None, lora_rank:int|None=None, lora_alpha:float|None=None):
+                 image_guidance_scale:float|None=None, lora_rank:int|None=None, lora_alpha:float|None=None,
+                 train_text_encoder:bool=False):
         if inner_steps < 1 or prompts_per_step < 1: raise ConfigError("inner_steps and prompts_per_step must be >= 1.")
         if not eta > 0: raise ConfigError(f"eta={eta}: GRPO needs stochastic steps (eta > 0; 1.0 is DDPM's variance).")
         lat = model.autoencoder.latent_channels
@@ -176,12 +185,18 @@ class DiffusionGRPO(RunPolicy):
             raise ConfigError(f"train_steps={train_steps}: {num_inference_steps} sampling steps have {len(stochastic)} stochastic ones to train; "
                               f"choose 1..{len(stochastic)} (None: all).")
         self.train_steps = stochastic[:train_steps] if train_steps else stochastic      # the first (noisiest) steps decide the layout
-        model.text_encoder.set_trainable(False)                                          # text states computed once per rollout
-        self.lora = lora_rank is not None
+        self.lora, self.train_text = lora_rank is not None, bool(train_text_encoder)
+        if self.lora and self.train_text:
+            raise ConfigError("train_text_encoder trains the text model fully, and lora_rank adapts the UNet alone: drop lora_rank "
+                              "(full fine-tuning of both) or train_text_encoder.")
+        # frozen: text states computed once per rollout; trained: the update recomputes them through the text model
+        model.text_encoder.set_trainable(self.train_text)
         if self.lora: add_lora(model.unet, lora_rank, lora_alpha)
-        # the KL reference: LoRA's base weights (adapters off), else a frozen copy of the starting UNet
-        self.ref = None if self.grpo.kl_coef == 0 or self.lora else copy.deepcopy(model.unet).eval().requires_grad_(False)
-        self.trainable, self.sample_prompts = model.unet, model.sample_prompts
+        # the KL reference: LoRA's base weights (adapters off), else a frozen copy of the starting UNet (and text model)
+        frozen = lambda m: copy.deepcopy(m).eval().requires_grad_(False) if self.grpo.kl_coef > 0 and not self.lora else None
+        self.ref, self.ref_text = frozen(model.unet), frozen(model.text_encoder.model) if self.train_text else None
+        self.trainable = Trainables(unet=model.unet, text=model.text_encoder.model) if self.train_text else model.unet
+        self.sample_prompts = model.sample_prompts
 
     def rollout(self, seed:int) -> dict:
         "One batch: prompts with `group_size` samples each, their rewards and advantages, and the log-probabilities the update starts from."
@@ -190,8 +205,9 @@ class DiffusionGRPO(RunPolicy):
         sources = ctx.pop('sources', None)
         if self.editor and sources is None:
             raise UserError(f"{type(self.model).__name__} is an editor: its prompt stream must give source images (context 'sources'), as ShapesEditPrompts does.")
-        ro = diffusion_rollouts(self.model, prompts, G, guidance_scale=self.g, eta=self.eta, seed=seed, sources=sources if self.editor else None,
-                                image_guidance_scale=self.ig, scheduler=self.sched)
+        with eval_mode(self.model.text_encoder.model):
+            ro = diffusion_rollouts(self.model, prompts, G, guidance_scale=self.g, eta=self.eta, seed=seed, sources=sources if self.editor else None,
+                                    image_guidance_scale=self.ig, scheduler=self.sched)
         ctx = {k: [v for v in vals for _ in range(G)] for k, vals in ctx.items()}
         total, parts = self.reward.parts(ro['images'], ro['prompts'], **ctx)
         adv, st = group_advantages(total, G, self.grpo.std_eps, self.grpo.adv_clip)
@@ -208,7 +224,16 @@ class DiffusionGRPO(RunPolicy):
         return diffusion_logprobs(unet, self.sched, batch['latents'], self.train_steps, batch['cond'], batch['uncond'], self.g, self.eta,
                                   batch.get('source'), self.ig)
 
+    def _text_states(self, text_model, captions) -> tuple[torch.Tensor, torch.Tensor]:
+        "The captions' and the empty prompt's text states through `text_model`, computed as the rollouts encode them (last hidden states, float32, dropout off)."
+        enc = self.model.text_encoder
+        ids, empty = enc.tokenize(list(captions)), enc.tokenize([''] * len(captions))
+        with eval_mode(text_model): return text_model(ids).last_hidden_state.float(), text_model(empty).last_hidden_state.float()
+
     def _ref_means(self, batch) -> torch.Tensor:
+        if self.ref_text is not None:
+            cond, uncond = self._text_states(self.ref_text, batch['caption'])
+            return self._logprobs(self.ref, batch | dict(cond=cond, uncond=uncond))[1]
         if not self.lora: return self._logprobs(self.ref, batch)[1]
         self.model.unet.disable_adapters()
         try: return self._logprobs(self.model.unet, batch)[1]
@@ -221,7 +246,10 @@ class DiffusionGRPO(RunPolicy):
         for _ in range(self.inner_steps): yield batch
 
     def loss(self, model:torch.nn.Module, batch:dict) -> dict:
-        logp, mean = self._logprobs(model, batch)
+        if self.train_text:                                # both modules called through the (possibly DDP-wrapped) whole
+            cond, uncond = self._text_states(Route(model, 'text'), batch['caption'])
+            logp, mean = self._logprobs(Route(model, 'unet'), batch | dict(cond=cond, uncond=uncond))
+        else: logp, mean = self._logprobs(model, batch)
         kl = None
         if 'ref_mean' in batch:                            # KL between two Gaussians of one variance: |mu - mu_ref|^2 / (2 sigma^2)
             std = torch.stack([ddim_step_std(self.sched, self.sched.timesteps[k], self.eta) for k in self.train_steps]).to(mean.device, torch.float32)
@@ -233,7 +261,8 @@ class DiffusionGRPO(RunPolicy):
     def to(self, device) -> DiffusionGRPO:
         "Move the model (UNet, autoencoder, text encoder) and the reference to `device`."
         self.model.to(device)
-        if self.ref is not None: self.ref.to(device)
+        for m in (self.ref, self.ref_text):
+            if m is not None: m.to(device)
         return self
 
     def save_pretrained(self, path):

@@ -6,14 +6,16 @@
 from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np, torch
+from torch import nn
 from ..config import Config, ConfigError
 from pathlib import Path
 from ..shapes import COLORS, HELD_OUT, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_pairs, text_prompt
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
-__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'parse_pairs', 'held_out_for', 'unseen_pairs',
-           'redraw_until', 'scene_pairs', 'ShapesPrompts', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
+__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'Trainables', 'Route', 'parse_pairs',
+           'held_out_for', 'unseen_pairs', 'redraw_until', 'scene_pairs', 'ShapesPrompts', 'ShapesEditPrompts',
+           'ShapesTextPrompts', 'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -83,6 +85,20 @@ class RunPolicy:
         "The run's policy: the model folder `path` with the LoRA adapters or stage recorded in `info` (no rewards or prompts needed)."
         from imagegen.rl.run import GRPOPolicy
         return GRPOPolicy.from_run(path, info)
+
+# %% ../../nbs/06b_grpo.ipynb #a7c3e2d2
+class Trainables(nn.Module):
+    "Several trainable modules as one (one optimizer, one checkpoint, one DDP wrapper): `forward(name, *args, **kwargs)` calls the named one."
+    def __init__(self, **modules:nn.Module):
+        super().__init__()
+        for name, m in modules.items(): self.add_module(name, m)
+    def forward(self, name:str, *args, **kwargs): return getattr(self, name)(*args, **kwargs)
+
+class Route(nn.Module):
+    "The module `name` of a (possibly DDP-wrapped) `Trainables`, called through the wrapper."
+    def __init__(self, trainables:nn.Module, name:str):
+        super().__init__(); self.trainables, self.name = trainables, name
+    def forward(self, *args, **kwargs): return self.trainables(self.name, *args, **kwargs)
 
 # %% ../../nbs/06b_grpo.ipynb #aff542a0
 def parse_pairs(pairs, split:str) -> list[tuple[str, str]]:

@@ -13,7 +13,7 @@ from ..hybrid import HybridPipeline
 from ..config import ConfigError, UserError
 from .diffusion import ddim_step_std, ddim_step_with_logprob, diffusion_logprobs, guided_prediction, rollout_scheduler
 from .gpt import gpt_logprobs, gpt_rollouts, sampling_settings
-from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
+from .grpo import GRPOConfig, Route, RunPolicy, Trainables, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
 from ..training.loop import derived_seed, make_optimizer
 
@@ -53,18 +53,6 @@ def upsampler_rollouts(decoder, low:torch.Tensor, prompts:Sequence[str], group_s
 # %% ../../nbs/06f_hybrid_grpo.ipynb #b0f1e011
 STAGES = ('ar', 'decoder', 'both')
 
-class _Stages(nn.Module):
-    "Both stages' trainable modules as one (one optimizer, one DDP wrapper); `forward(stage, ...)` calls the named one."
-    def __init__(self, ar:nn.Module, decoder:nn.Module):
-        super().__init__(); self.ar, self.decoder = ar, decoder
-    def forward(self, stage:str, *args, **kwargs): return getattr(self, stage)(*args, **kwargs)
-
-class _Route(nn.Module):
-    "One stage of a (possibly DDP-wrapped) `_Stages`, called through the wrapper."
-    def __init__(self, stages:nn.Module, stage:str):
-        super().__init__(); self.stages, self.stage = stages, stage
-    def forward(self, *args, **kwargs): return self.stages(self.stage, *args, **kwargs)
-
 def _weighted(r) -> WeightedReward: return r if isinstance(r, WeightedReward) else WeightedReward([(r, 1.0)])
 
 class HybridGRPO(RunPolicy):
@@ -102,7 +90,7 @@ class HybridGRPO(RunPolicy):
         self.train_steps = stochastic[:decoder_train_steps] if decoder_train_steps else stochastic
         pipeline.decoder.text_encoder.set_trainable(False)                   # text states computed once per rollout
         gpt, unet = pipeline.ar.gpt, pipeline.decoder.unet
-        self.trainable = gpt if stage == 'ar' else unet if stage == 'decoder' else _Stages(gpt, unet)
+        self.trainable = gpt if stage == 'ar' else unet if stage == 'decoder' else Trainables(ar=gpt, decoder=unet)
         kl = self.grpo.kl_coef > 0
         self.ref_ar = copy.deepcopy(gpt).eval().requires_grad_(False) if kl and self.trains_ar else None
         self.ref_decoder = copy.deepcopy(unet).eval().requires_grad_(False) if kl and self.trains_decoder else None
@@ -161,12 +149,12 @@ HybridGRPO.rollout, HybridGRPO._decoder_logprobs = _rollout, _decoder_logprobs
 def _loss(self:HybridGRPO, model:nn.Module, batch:dict) -> dict:
     out, total, c = {}, 0.0, self.grpo
     if self.trains_ar:
-        module = model if self.stage == 'ar' else _Route(model, 'ar')
+        module = model if self.stage == 'ar' else Route(model, 'ar')
         logp = gpt_logprobs(self.pipe.ar, batch['tokens'], batch['caption'], self.g, self.t, self.ratio_on, module=module)
         loss, st = clipped_objective(logp, batch['old_ar'], batch['adv_ar'], c.clip_range, ref_logp=batch.get('ref_ar'), kl_coef=c.kl_coef)
         total = total + loss; out |= {f'ar/{k}': torch.tensor(v, device=loss.device) for k, v in st.items()}
     if self.trains_decoder:
-        unet = model if self.stage == 'decoder' else _Route(model, 'decoder')
+        unet = model if self.stage == 'decoder' else Route(model, 'decoder')
         logp, mean = self._decoder_logprobs(unet, batch)
         kl = None
         if 'ref_mean' in batch:                            # two Gaussians of one variance: |mu - mu_ref|^2 / (2 sigma^2)

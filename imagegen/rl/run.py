@@ -17,8 +17,8 @@ from ..diffusion.glide import GLIDE_FILE
 from ..diffusion.ldm import LatentDiffusion
 from .diffusion import DiffusionGRPO, add_lora, save_with_lora
 from .gpt import GPTGRPO
-from .hybrid import STAGES, HybridGRPO, _Stages
-from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts
+from .hybrid import STAGES, HybridGRPO
+from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts, Trainables
 from .rewards import make_reward
 
 # %% auto #0
@@ -48,6 +48,7 @@ class GRPORunConfig(Config):
     train_steps: int|None = None              # diffusion: the first K stochastic steps of each rollout are trained; None: all
     lora_rank: int|None = None                # diffusion: LoRA adapters of this rank on the UNet's attention (None: full fine-tuning)
     lora_alpha: float|None = None             # diffusion: LoRA's alpha (None: the rank)
+    train_text_encoder: bool = False          # diffusion: fine-tune the text encoder with the UNet (full fine-tuning; diffusers' flag)
     stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
     decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
     decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
@@ -112,8 +113,9 @@ class GRPORunConfig(Config):
         if hybrid_opts: raise ConfigError(f"{', '.join(hybrid_opts)}: options of hybrid pipeline runs; {self.pretrained_model_name_or_path} is a single model.")
         diffusion = isinstance(model, LatentDiffusion)
         editor = model.unet.config.in_channels > model.autoencoder.latent_channels if diffusion else bool(model.gpt.config.source_tokens)
-        if not diffusion and (self.lora_rank is not None or self.train_steps is not None):
-            raise ConfigError("lora_rank and train_steps are options of latent diffusion runs; a latent GPT trains all its tokens, fully.")
+        if not diffusion and (self.lora_rank is not None or self.train_steps is not None or self.train_text_encoder):
+            raise ConfigError("lora_rank, train_steps and train_text_encoder are options of latent diffusion runs; a latent GPT trains all "
+                              "its tokens, fully, on a frozen text encoder.")
         if diffusion and (self.temperature is not None or self.ratio_on != 'guided'):
             raise ConfigError("temperature and ratio_on are options of latent GPT runs; a diffusion step is scored under the guided mixture that drew it.")
         prompts = self.prompt_source(editor, model.resolution if editor or not diffusion else 32)
@@ -122,13 +124,15 @@ class GRPORunConfig(Config):
         for r, _ in reward.terms: r.check_context(2, ctx)
         if diffusion:
             return DiffusionGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.num_inference_steps, self.eta,
-                                 self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha)
+                                 self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha,
+                                 self.train_text_encoder)
         return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
                        self.ratio_on, self.inner_steps, self.image_guidance_scale)
 
     def _build_hybrid(self, pipe:HybridPipeline, grpo:GRPOConfig|None) -> HybridGRPO:
-        if self.lora_rank is not None or self.image_guidance_scale is not None:
-            raise ConfigError("lora_rank and image_guidance_scale: a hybrid pipeline run trains its stages fully, from prompts alone.")
+        if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder:
+            raise ConfigError("lora_rank, image_guidance_scale and train_text_encoder: a hybrid pipeline run trains its stages fully, "
+                              "from prompts alone, on frozen text encoders.")
         prompts = self.prompt_source(False)
         ar_reward = self._reward(self.reward_weights)
         dec_reward = ar_reward if self.decoder_reward is None else self._reward(self.decoder_reward)
@@ -142,21 +146,22 @@ class GRPORunConfig(Config):
 
 # %% ../../nbs/06e_grpo_run.ipynb #b7e1c0a2
 class GRPOPolicy:
-    "A GRPO run's policy without its rewards and prompts: the model as the run trained it (its LoRA adapters, its stage), with the task's `trainable` and `save_pretrained`."
-    def __init__(self, model, lora_rank:int|None=None, lora_alpha:float|None=None, stage:str|None=None):
+    "A GRPO run's policy without its rewards and prompts: the model as the run trained it (its LoRA adapters, its stage, its text encoder), with the task's `trainable` and `save_pretrained`."
+    def __init__(self, model, lora_rank:int|None=None, lora_alpha:float|None=None, stage:str|None=None, train_text_encoder:bool=False):
         self.model, self.lora = model, lora_rank is not None
         if isinstance(model, HybridPipeline):
             gpt, unet, stage = model.ar.gpt, model.decoder.unet, stage or 'both'
-            self.trainable = gpt if stage == 'ar' else unet if stage == 'decoder' else _Stages(gpt, unet)
+            self.trainable = gpt if stage == 'ar' else unet if stage == 'decoder' else Trainables(ar=gpt, decoder=unet)
         elif isinstance(model, LatentDiffusion):
             if self.lora: add_lora(model.unet, lora_rank, lora_alpha)
-            self.trainable = model.unet
+            self.trainable = Trainables(unet=model.unet, text=model.text_encoder.model) if train_text_encoder else model.unet
         else: self.trainable = model.gpt
 
     @classmethod
     def from_run(cls, path, info:dict) -> GRPOPolicy:
         "The model folder `path` (a run's `initial_model/`) loaded by its family, with the LoRA rank and the stage recorded in the run's `run_info.json`."
         m = (info.get('config') or {}).get('model') or {}
-        return cls(GRPORunConfig(pretrained_model_name_or_path=str(path)).load_model(), m.get('lora_rank'), m.get('lora_alpha'), m.get('stage'))
+        return cls(GRPORunConfig(pretrained_model_name_or_path=str(path)).load_model(), m.get('lora_rank'), m.get('lora_alpha'), m.get('stage'),
+                   bool(m.get('train_text_encoder')))
 
     def save_pretrained(self, path): return save_with_lora(self.model, path) if self.lora else self.model.save_pretrained(path)
