@@ -4,6 +4,7 @@ in its family's class, a resumed run continuing from its checkpoint, the ratio e
 rollout on every rank, and a 2-rank step on two groups equal to a 1-rank step on the same two groups. The models are
 tiny and their rewards toys: the notebooks show that GRPO raises a reward; these tests check the plumbing."""
 import textwrap
+import pytest
 from conftest import launch, rank_records
 
 GRPO_TRAIN = textwrap.dedent('''
@@ -112,7 +113,7 @@ def test_train_grpo_ocr_reward_on_text_prompts(tmp_path):
 
 
 DIFFUSION_GRPO = textwrap.dedent('''
-    "GRPO of a tiny latent diffusion model on fixed rollouts; argv: OUTPUT_DIR MODE (split: group r on rank r; joint: both groups on one rank)."
+    "GRPO of a tiny latent diffusion model on fixed rollouts; argv: OUTPUT_DIR MODE (split: group r on rank r; joint: both groups on one rank) [text: train the text encoder too]."
     import json, os, sys, torch
     from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig
     from imagegen.rl.diffusion import DiffusionGRPO
@@ -122,7 +123,7 @@ DIFFUSION_GRPO = textwrap.dedent('''
     class Brightness(Reward):
         name = 'brightness'
         def score(self, images, prompts=None, **_): return [sum(im.convert('L').getdata()) / (255 * im.width * im.height) for im in images]
-    out, mode = sys.argv[1], sys.argv[2]
+    out, mode, text = sys.argv[1], sys.argv[2], sys.argv[3:] == ['text']
     torch.manual_seed(0)
     model = LatentDiffusion.from_config(LDMConfig.preset('tiny', text_hidden=32, text_layers=1, text_max_length=24),
                                         corpus=ShapesPrompts()(200, seed=0)[0])
@@ -143,21 +144,23 @@ DIFFUSION_GRPO = textwrap.dedent('''
             self.seen.append((o['ratio_min'].item(), o['ratio_max'].item(), batch['caption']))
             return o
     task = Recorded(model, Brightness(), ShapesPrompts(), GRPOConfig(group_size=4), prompts_per_step=1, num_inference_steps=4,
-                    train_steps=2, inner_steps=2)
+                    train_steps=2, inner_steps=2, train_text_encoder=text)
     train(task, None, TrainConfig(output_dir=out, max_steps=2, lr=0.1, tracker='none', checkpoint_every=None, save_model=True,
                                   max_grad_norm=None))
     with open(f'{out}/seen_rank{rank}.json', 'w') as f: json.dump(task.seen, f)
 ''')
 
 
-def test_diffusion_grpo_two_ranks_match_one_rank(tmp_path):
-    "Latent diffusion GRPO on 2 ranks: the first update of a rollout has ratio exactly 1 on each rank, and two updates on group r per rank end at the weights one rank reaches on both groups."
+@pytest.mark.parametrize('text', [False, True], ids=['unet', 'unet+text_encoder'])
+def test_diffusion_grpo_two_ranks_match_one_rank(tmp_path, text):
+    "Latent diffusion GRPO on 2 ranks (the UNet, or the UNet and its text encoder): the first update of a rollout has ratio exactly 1 on each rank, and two updates on group r per rank end at the weights one rank reaches on both groups."
     import json, torch
     from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig
     from imagegen.rl.grpo import ShapesPrompts
     (tmp_path/'dgrpo.py').write_text(DIFFUSION_GRPO)
-    launch(tmp_path/'dgrpo.py', tmp_path/'split', 'split')
-    launch(tmp_path/'dgrpo.py', tmp_path/'joint', 'joint', num_processes=1)
+    extra = ['text'] if text else []
+    launch(tmp_path/'dgrpo.py', tmp_path/'split', 'split', *extra)
+    launch(tmp_path/'dgrpo.py', tmp_path/'joint', 'joint', *extra, num_processes=1)
     seen = {r: json.loads((tmp_path/'split'/f'seen_rank{r}.json').read_text()) for r in (0, 1)}
     for r in (0, 1):
         (lo, hi, caps), (lo2, hi2, _) = seen[r]
@@ -168,14 +171,18 @@ def test_diffusion_grpo_two_ranks_match_one_rank(tmp_path):
     # the joint run scores both groups in one batch of 8, where the rollouts scored them in batches of 4: exact 1.0 there
     # would ask convolutions to round alike at both batch sizes, which they do not with one thread, so within rounding
     assert joint[0][2] == seen[0][0][2] + seen[1][0][2] and all(abs(x - 1.0) < 1e-5 for x in joint[0][:2]), joint[0][:2]
-    a, b = (LatentDiffusion.from_pretrained(tmp_path/m/'model').unet for m in ('split', 'joint'))
     flat = lambda u: torch.cat([p.detach().flatten() for p in u.parameters()])
     torch.manual_seed(0)                                                         # the starting model, as the script builds it
     start = LatentDiffusion.from_config(LDMConfig.preset('tiny', text_hidden=32, text_layers=1, text_max_length=24),
-                                        corpus=ShapesPrompts()(200, seed=0)[0]).unet
-    moved = (flat(a) - flat(start)).abs().max().item()
-    assert moved > 1e-4, f"GRPO barely changed the UNet ({moved})"
-    torch.testing.assert_close(flat(a), flat(b), rtol=0, atol=1e-3 * moved)
+                                        corpus=ShapesPrompts()(200, seed=0)[0])
+    split, joint = (LatentDiffusion.from_pretrained(tmp_path/m/'model') for m in ('split', 'joint'))
+    parts = {'UNet': lambda m: m.unet} | ({'text encoder': lambda m: m.text_encoder.model} if text else {})
+    for name, part in parts.items():
+        a, b = flat(part(split)), flat(part(joint))
+        moved = (a - flat(part(start))).abs().max().item()
+        assert moved > 1e-4, f"GRPO barely changed the {name} ({moved})"
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * moved, msg=lambda m: f"{name}: {m}")
+    if not text: torch.testing.assert_close(flat(split.text_encoder.model), flat(start.text_encoder.model), rtol=0, atol=0)
 
 
 TINY_HYBRID = '''
