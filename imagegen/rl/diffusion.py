@@ -83,8 +83,9 @@ def _resolution(model) -> int:
 @torch.no_grad()
 def diffusion_rollouts(model, prompts:Sequence[str], group_size:int, num_inference_steps:int=10, guidance_scale:float=4.0,
                        eta:float=1.0, seed:int=0, generator:torch.Generator|None=None, sources=None,
-                       image_guidance_scale:float=1.0, decode:bool=True, scheduler:DDIMScheduler|None=None) -> dict:
-    "`group_size` samples per prompt (a prompt's samples consecutive) with stochastic DDIM: the latent trajectory `(B*G, T+1, C, h, w)`, each step's `sample_logp` `(B*G, T)`, images, the text states; an editor also takes the source images (one per prompt)."
+                       image_guidance_scale:float=1.0, decode:bool=True, scheduler:DDIMScheduler|None=None,
+                       use_same_noise:bool=False) -> dict:
+    "`group_size` samples per prompt (a prompt's samples consecutive) with stochastic DDIM: the latent trajectory `(B*G, T+1, C, h, w)`, each step's `sample_logp` `(B*G, T)`, images, the text states; an editor also takes the source images (one per prompt). `use_same_noise`: one starting noise per prompt, shared by its group."
     editor = model.unet.config.in_channels > model.autoencoder.latent_channels
     if editor and sources is None: raise UserError(f"{type(model).__name__} is an editor: give the source images (one per prompt).")
     if not editor and sources is not None: raise UserError("source images given, but this text-to-image model reads none: load an editor.")
@@ -99,7 +100,9 @@ def diffusion_rollouts(model, prompts:Sequence[str], group_size:int, num_inferen
     sched = scheduler or rollout_scheduler(model, num_inference_steps)
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     res = _resolution(model)
-    z = draw_noise((n, *model.autoencoder.latent_shape(res, res)), generator, dev) * sched.init_noise_sigma
+    shape = model.autoencoder.latent_shape(res, res)
+    if use_same_noise: z = draw_noise((len(prompts), *shape), generator, dev).repeat_interleave(group_size, 0) * sched.init_noise_sigma
+    else: z = draw_noise((n, *shape), generator, dev) * sched.init_noise_sigma
     traj, logps = [z], []
     was = model.unet.training; model.unet.eval()
     try:
@@ -163,7 +166,7 @@ class DiffusionGRPO(RunPolicy):
     def __init__(self, model, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4, guidance_scale:float|None=None,
                  num_inference_steps:int=10, eta:float=1.0, train_steps:int|None=None, inner_steps:int=1,
                  image_guidance_scale:float|None=None, lora_rank:int|None=None, lora_alpha:float|None=None,
-                 train_text_encoder:bool=False):
+                 train_text_encoder:bool=False, use_same_noise:bool=False):
         if inner_steps < 1 or prompts_per_step < 1: raise ConfigError("inner_steps and prompts_per_step must be >= 1.")
         if not eta > 0: raise ConfigError(f"eta={eta}: GRPO needs stochastic steps (eta > 0; 1.0 is DDPM's variance).")
         lat = model.autoencoder.latent_channels
@@ -178,7 +181,7 @@ class DiffusionGRPO(RunPolicy):
         self.grpo = self.config = grpo or GRPOConfig()
         self.g = 4.0 if guidance_scale is None else float(guidance_scale)
         self.ig = float(1.5 if image_guidance_scale is None else image_guidance_scale) if self.editor else 1.0
-        self.eta, self.prompts_per_step, self.inner_steps = float(eta), prompts_per_step, inner_steps
+        self.eta, self.prompts_per_step, self.inner_steps, self.same_noise = float(eta), prompts_per_step, inner_steps, bool(use_same_noise)
         self.sched = rollout_scheduler(model, num_inference_steps)
         stochastic = [i for i, t in enumerate(self.sched.timesteps) if ddim_step_std(self.sched, t, eta) > 0]
         if train_steps is not None and not 1 <= train_steps <= len(stochastic):
@@ -207,7 +210,7 @@ class DiffusionGRPO(RunPolicy):
             raise UserError(f"{type(self.model).__name__} is an editor: its prompt stream must give source images (context 'sources'), as ShapesEditPrompts does.")
         with eval_mode(self.model.text_encoder.model):
             ro = diffusion_rollouts(self.model, prompts, G, guidance_scale=self.g, eta=self.eta, seed=seed, sources=sources if self.editor else None,
-                                    image_guidance_scale=self.ig, scheduler=self.sched)
+                                    image_guidance_scale=self.ig, scheduler=self.sched, use_same_noise=self.same_noise)
         ctx = {k: [v for v in vals for _ in range(G)] for k, vals in ctx.items()}
         total, parts = self.reward.parts(ro['images'], ro['prompts'], **ctx)
         adv, st = group_advantages(total, G, self.grpo.std_eps, self.grpo.adv_clip)

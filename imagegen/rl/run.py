@@ -49,6 +49,7 @@ class GRPORunConfig(Config):
     lora_rank: int|None = None                # diffusion: LoRA adapters of this rank on the UNet's attention (None: full fine-tuning)
     lora_alpha: float|None = None             # diffusion: LoRA's alpha (None: the rank)
     train_text_encoder: bool = False          # diffusion: fine-tune the text encoder with the UNet (full fine-tuning; diffusers' flag)
+    use_same_noise: bool = False              # diffusion: one starting noise per prompt, shared by its group (DanceGRPO's option)
     stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
     decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
     decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
@@ -113,9 +114,9 @@ class GRPORunConfig(Config):
         if hybrid_opts: raise ConfigError(f"{', '.join(hybrid_opts)}: options of hybrid pipeline runs; {self.pretrained_model_name_or_path} is a single model.")
         diffusion = isinstance(model, LatentDiffusion)
         editor = model.unet.config.in_channels > model.autoencoder.latent_channels if diffusion else bool(model.gpt.config.source_tokens)
-        if not diffusion and (self.lora_rank is not None or self.train_steps is not None or self.train_text_encoder):
-            raise ConfigError("lora_rank, train_steps and train_text_encoder are options of latent diffusion runs; a latent GPT trains all "
-                              "its tokens, fully, on a frozen text encoder.")
+        if not diffusion and (self.lora_rank is not None or self.train_steps is not None or self.train_text_encoder or self.use_same_noise):
+            raise ConfigError("lora_rank, train_steps, train_text_encoder and use_same_noise are options of latent diffusion runs; a latent "
+                              "GPT trains all its tokens, fully, on a frozen text encoder, and draws no starting noise.")
         if diffusion and (self.temperature is not None or self.ratio_on != 'guided'):
             raise ConfigError("temperature and ratio_on are options of latent GPT runs; a diffusion step is scored under the guided mixture that drew it.")
         prompts = self.prompt_source(editor, model.resolution if editor or not diffusion else 32)
@@ -125,14 +126,14 @@ class GRPORunConfig(Config):
         if diffusion:
             return DiffusionGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.num_inference_steps, self.eta,
                                  self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha,
-                                 self.train_text_encoder)
+                                 self.train_text_encoder, self.use_same_noise)
         return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
                        self.ratio_on, self.inner_steps, self.image_guidance_scale)
 
     def _build_hybrid(self, pipe:HybridPipeline, grpo:GRPOConfig|None) -> HybridGRPO:
-        if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder:
-            raise ConfigError("lora_rank, image_guidance_scale and train_text_encoder: a hybrid pipeline run trains its stages fully, "
-                              "from prompts alone, on frozen text encoders.")
+        if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder or self.use_same_noise:
+            raise ConfigError("lora_rank, image_guidance_scale, train_text_encoder and use_same_noise: a hybrid pipeline run trains its "
+                              "stages fully, from prompts alone, on frozen text encoders; its decoder starts from the GPT's layouts.")
         prompts = self.prompt_source(False)
         ar_reward = self._reward(self.reward_weights)
         dec_reward = ar_reward if self.decoder_reward is None else self._reward(self.decoder_reward)
