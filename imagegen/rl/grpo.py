@@ -93,6 +93,14 @@ class Trainables(nn.Module):
         super().__init__()
         for name, m in modules.items(): self.add_module(name, m)
     def forward(self, name:str, *args, **kwargs): return getattr(self, name)(*args, **kwargs)
+    def enable_gradient_checkpointing(self):
+        "Recompute activations in backward in every module (the loop's `gradient_checkpointing`): diffusers' or transformers' switch, whichever each has."
+        switches = {n: getattr(m, 'enable_gradient_checkpointing', None) or getattr(m, 'gradient_checkpointing_enable', None)
+                    for n, m in self.named_children()}
+        if missing := [n for n, f in switches.items() if f is None]:
+            raise ConfigError(f"gradient_checkpointing: {', '.join(missing)} ({', '.join(type(getattr(self, n)).__name__ for n in missing)}) "
+                              "cannot recompute activations; train without --gradient_checkpointing.")
+        for f in switches.values(): f()
 
 class Route(nn.Module):
     "The module `name` of a (possibly DDP-wrapped) `Trainables`, called through the wrapper."
