@@ -5,17 +5,18 @@
 # %% ../../nbs/06b_grpo.ipynb #fcd98298
 from __future__ import annotations
 from dataclasses import dataclass
+import json
 import numpy as np, torch
 from torch import nn
 from ..config import Config, ConfigError
 from pathlib import Path
-from ..shapes import COLORS, HELD_OUT, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_pairs, text_prompt
+from ..shapes import COLORS, HELD_OUT, RELATIONS, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_pairs, text_prompt
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
 __all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'Trainables', 'Route', 'parse_pairs',
-           'held_out_for', 'unseen_pairs', 'redraw_until', 'scene_pairs', 'ShapesPrompts', 'ShapesEditPrompts',
-           'ShapesTextPrompts', 'PromptFile']
+           'held_out_for', 'unseen_pairs', 'redraw_until', 'read_prompts', 'scene_pairs', 'ShapesPrompts',
+           'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -134,12 +135,30 @@ def unseen_pairs(pairs:list[tuple[str, str]]|None, split:str) -> set[tuple[str, 
     "The held-out pairs a draw of `pairs` from `split` must not show at all (the test split's others; none otherwise)."
     return set() if pairs is None or split != 'test' else set(HELD_OUT) - set(pairs)
 
-def redraw_until(rng:np.random.Generator, draw, pairs_of, unseen:set, tries:int=1000):
-    "`draw(rng)` again until `pairs_of(result)` shares no pair with `unseen` (a function of the generator's state alone)."
+def redraw_until(rng:np.random.Generator, draw, pairs_of, unseen:set, tries:int=1000, ok=None):
+    "`draw(rng)` again until `pairs_of(result)` shares no pair with `unseen` and `ok(result)` holds (a function of the generator's state alone)."
     for _ in range(tries):
         out = draw(rng)
-        if not (pairs_of(out) & unseen): return out
-    raise ConfigError(f"no draw in {tries} avoided the pairs {sorted(unseen)}: choose other prompt pairs.")
+        if not (pairs_of(out) & unseen) and (ok is None or ok(out)): return out
+    raise ConfigError(f"no draw in {tries} avoided the pairs {sorted(unseen)}" + (" and passed the prompt filters (relations, excluded prompts)" if ok else "")
+                      + ": choose other prompt pairs" + (", relations or fewer excluded prompts." if ok else "."))
+
+def read_prompts(path) -> set[str]:
+    "The prompts of a file: a text file (one per line) or JSON lines (each row's 'prompt', 'text' and 'captions': an evaluation's samples.jsonl, a metadata.jsonl)."
+    p = Path(path)
+    if not p.is_file(): raise FileNotFoundError(f"prompt file {path} does not exist: give a text file with one prompt per line, or a samples.jsonl / metadata.jsonl.")
+    out = set()
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip(): continue
+        if p.suffix != '.jsonl': out.add(line.strip()); continue
+        try: row = json.loads(line)
+        except json.JSONDecodeError as e: raise ConfigError(f"{path}, line {i}: not JSON ({e.msg}); a .jsonl file holds one JSON object per line.") from None
+        got = [row.get(k) for k in ('prompt', 'text')] + list(row.get('captions') or []) if isinstance(row, dict) else []
+        got = [g.strip() for g in got if isinstance(g, str) and g.strip()]
+        if not got: raise ConfigError(f"{path}, line {i}: no 'prompt', 'text' or 'captions' field.")
+        out.update(got)
+    if not out: raise ConfigError(f"{path} holds no prompts.")
+    return out
 
 def scene_pairs(scene) -> set[tuple[str, str]]:
     "The colour–shape pairs of a `Scene` (or of its dict)."
@@ -147,18 +166,29 @@ def scene_pairs(scene) -> set[tuple[str, str]]:
     return {(o['color'], o['shape']) if isinstance(o, dict) else (o.color, o.shape) for o in objs}
 
 class ShapesPrompts:
-    "`prompts(n, seed)` -> n Shapes captions and `{'scenes': [...]}` (scenes of `split` with `level` objects, of `pairs` only when given)."
-    def __init__(self, split:str='train', level:int=1, pairs=None):
+    "`prompts(n, seed)` -> n Shapes captions and `{'scenes': [...]}` (scenes of `split` with `level` objects; only of `pairs`, only with `relations` when given; never a prompt of `exclude`, a collection or a file for `read_prompts`)."
+    def __init__(self, split:str='train', level:int=1, pairs=None, relations=None, exclude=None):
         self.split, self.level = split, level
         self.pairs = None if pairs is None else parse_pairs(pairs, split)
         self.held_out, self.unseen = held_out_for(self.pairs, split), unseen_pairs(self.pairs, split)
+        if relations is not None:
+            relations = list(dict.fromkeys(relations))
+            if level != 2: raise ConfigError(f"prompt relations narrow two-object scenes: use level 2 (got level {level}).")
+            bad = [r for r in relations if r not in RELATIONS]
+            if bad or not relations: raise ConfigError(f"prompt relations {bad or relations}: choose among {', '.join(map(repr, RELATIONS))}.")
+        self.relations = relations
+        self.exclude = set() if exclude is None else read_prompts(exclude) if isinstance(exclude, (str, Path)) else {str(p).strip() for p in exclude}
+    def _ok(self, scene) -> bool: return (self.relations is None or scene.relation in self.relations) and prompt(scene) not in self.exclude
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
         kw = {} if self.held_out is None else {'held_out': self.held_out}
-        scenes = [redraw_until(rng, lambda r: sample_scene(r, self.split, self.level, **kw), scene_pairs, self.unseen) for _ in range(n)]
+        ok = self._ok if self.relations or self.exclude else None        # no filter: the draws of a run without them
+        scenes = [redraw_until(rng, lambda r: sample_scene(r, self.split, self.level, **kw), scene_pairs, self.unseen, ok=ok) for _ in range(n)]
         return [prompt(s) for s in scenes], {'scenes': scenes}
     def __repr__(self):
-        return f"ShapesPrompts(split={self.split!r}, level={self.level}" + (f", pairs={[' '.join(q) for q in self.pairs]})" if self.pairs else ")")
+        extra = ([f"pairs={[' '.join(q) for q in self.pairs]}"] if self.pairs else []) + ([f"relations={self.relations}"] if self.relations else []) \
+                + ([f"{len(self.exclude)} prompts excluded"] if self.exclude else [])
+        return f"ShapesPrompts(split={self.split!r}, level={self.level}" + ''.join(', ' + e for e in extra) + ")"
 
 # %% ../../nbs/06b_grpo.ipynb #3f3edd6e
 class ShapesEditPrompts:

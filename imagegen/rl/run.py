@@ -37,6 +37,8 @@ class GRPORunConfig(Config):
     prompt_split: str = 'train'               # Shapes prompts (and shapes-text): the split ('test': the colour-shape or word-colour pairs the supervised data never shows)
     prompt_level: int = 1                     # Shapes prompts: objects per scene (1 or 2)
     prompt_pairs: list[str]|None = None       # Shapes prompts: only these 'colour shape' pairs of the split
+    prompt_relations: list[str]|None = None   # Shapes two-object prompts: only these relations ('left of', 'right of', 'above', 'below')
+    prompt_exclude: str|None = None           # Shapes prompts: never draw one of this file's (one per line, or an evaluation's samples.jsonl), e.g. the prompts that measure the run
     prompts_per_step: int = 4                 # prompts per rollout on each process, each sampled group_size times
     inner_steps: int = 1                      # optimizer steps on each rollout (the ratio leaves 1 from the second on)
     guidance_scale: float|None = None         # rollouts' classifier-free guidance; None: the model's sampling config
@@ -75,9 +77,11 @@ class GRPORunConfig(Config):
 
     def prompt_source(self, editor:bool=False, resolution:int=32):
         "The prompt stream: `ShapesPrompts` (an editor: `ShapesEditPrompts` at `resolution`) or a `PromptFile`."
+        if (self.prompt_relations or self.prompt_exclude) and (editor or self.prompts != 'shapes'):
+            raise ConfigError(f"prompt_relations and prompt_exclude narrow Shapes text-to-image prompts; they do not apply to {'edits' if editor else repr(self.prompts)}.")
         if self.prompts == 'shapes':
             if editor: return ShapesEditPrompts(self.prompt_split, self.prompt_pairs, resolution)
-            return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs)
+            return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs, self.prompt_relations, self.prompt_exclude)
         if editor: raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits); {self.prompts!r} gives none.")
         if self.prompts == 'shapes-text': return ShapesTextPrompts(split=self.prompt_split)
         if self.prompt_pairs: raise ConfigError("prompt_pairs narrows Shapes prompts; it does not apply to a prompt file.")
