@@ -4,7 +4,7 @@
 
 # %% ../../nbs/06e_grpo_run.ipynb #6e84a45e
 from __future__ import annotations
-import json
+import json, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -81,6 +81,9 @@ class GRPORunConfig(Config):
             raise ConfigError(f"prompt_relations and prompt_exclude narrow Shapes text-to-image prompts; they do not apply to {'edits' if editor else repr(self.prompts)}.")
         if self.prompts == 'shapes':
             if editor: return ShapesEditPrompts(self.prompt_split, self.prompt_pairs, resolution)
+            if self.prompt_split == 'test' and not self.prompt_exclude:
+                warnings.warn("prompt_split='test' can draw the very prompts an evaluation of the test split scores (sample.py --shapes_split test); "
+                              "pass prompt_exclude (--prompt_exclude EVAL/samples.jsonl) to keep them out of training.", UserWarning, stacklevel=2)
             return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs, self.prompt_relations, self.prompt_exclude)
         if editor: raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits); {self.prompts!r} gives none.")
         if self.prompts == 'shapes-text': return ShapesTextPrompts(split=self.prompt_split)
