@@ -88,6 +88,11 @@ def test_example_configs_resolve(path):
         m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward) == ('train', 2, None, {'oracle': 1.0})
         assert (run_['train'].max_steps, run_['grpo'].group_size, run_['grpo'].kl_coef, run_['train'].lr) == (200, 8, 0.04, 1e-5 if ldm else 3e-5)
+    elif path.stem == 'grpo_gpt_heldout_pairs':   # the held-out-pair recipe (README): test-split two-object prompts, the evaluation's own excluded
+        m = run_['model']
+        assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward, m.prompt_exclude) == (
+            'test', 2, None, {'oracle': 1.0}, 'runs/main/gpt-samples-level2/samples.jsonl')
+        assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.inner_steps) == (400, 3e-5, 8, 0.04, 2)
     elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe: the text variant's training pairs, Tesseract's reading as reward
         m = run_['model']
         assert (m.prompts, m.prompt_split, m.reward, m.num_inference_steps, m.train_steps) == ('shapes-text', 'train', {'ocr': 1.0}, 10, 5)

@@ -84,6 +84,9 @@ class GRPORunConfig(Config):
             if self.prompt_split == 'test' and not self.prompt_exclude:
                 warnings.warn("prompt_split='test' can draw the very prompts an evaluation of the test split scores (sample.py --shapes_split test); "
                               "pass prompt_exclude (--prompt_exclude EVAL/samples.jsonl) to keep them out of training.", UserWarning, stacklevel=2)
+            if self.prompt_exclude and not Path(self.prompt_exclude).is_file():
+                raise FileNotFoundError(f"--prompt_exclude {self.prompt_exclude} does not exist: sample the evaluation's prompts first (its samples.jsonl, "
+                                        "e.g. from `make main`) or point --prompt_exclude at a file of the prompts to keep out of training.")
             return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs, self.prompt_relations, self.prompt_exclude)
         if editor: raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits); {self.prompts!r} gives none.")
         if self.prompts == 'shapes-text': return ShapesTextPrompts(split=self.prompt_split)
