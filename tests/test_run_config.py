@@ -92,7 +92,7 @@ def test_example_configs_resolve(path):
         m = run_['model']
         assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward, m.prompt_exclude) == (
             'test', 2, None, {'oracle': 1.0}, 'runs/main/gpt-samples-level2/samples.jsonl')
-        assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.inner_steps) == (400, 3e-5, 8, 0.04, 2)
+        assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.inner_steps) == (800, 3e-5, 8, 0.04, 2)
     elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe: the text variant's training pairs, Tesseract's reading as reward
         m = run_['model']
         assert (m.prompts, m.prompt_split, m.reward, m.num_inference_steps, m.train_steps) == ('shapes-text', 'train', {'ocr': 1.0}, 10, 5)
