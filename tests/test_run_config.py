@@ -158,6 +158,10 @@ def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):
     # the GPT's codebook head gets its free rows at LEVEL=mixed only (README: two-object scenes)
     assert '--head_free_rows true' in main_command(tmp_path, 'scripts/train_gpt.py', args=('FAMILY=gpt', 'LEVEL=mixed'))
     assert '--head_free_rows' not in main_command(tmp_path, 'scripts/train_gpt.py', args=('FAMILY=gpt',))
+    # latent diffusion trains twice the recipe's steps at LEVEL=mixed (3500 do not teach left/right: README); LDM_STEPS still wins
+    assert '--max_train_steps 7000' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed',))
+    assert '--max_train_steps' not in main_command(tmp_path, 'scripts/train_ldm.py')
+    assert '--max_train_steps 60' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed', 'LDM_STEPS=60'))
     p = run(['make', '-s', 'main', f'MAIN={tmp_path}', 'LEVEL=2'], check=False)
     assert p.returncode != 0 and 'LEVEL is 1, or mixed' in p.stdout + p.stderr
 
