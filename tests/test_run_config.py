@@ -88,11 +88,13 @@ def test_example_configs_resolve(path):
         m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward) == ('train', 2, None, {'oracle': 1.0})
         assert (run_['train'].max_steps, run_['grpo'].group_size, run_['grpo'].kl_coef, run_['train'].lr) == (200, 8, 0.04, 1e-5 if ldm else 3e-5)
-    elif path.stem == 'grpo_gpt_heldout_pairs':   # the held-out-pair recipe (README): test-split two-object prompts, the evaluation's own excluded
-        m = run_['model']
+    elif path.stem.endswith('_heldout_pairs'):   # the held-out-pair recipes (README): test-split two-object prompts, the evaluation's own excluded
+        m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward, m.prompt_exclude) == (
-            'test', 2, None, {'oracle': 1.0}, 'runs/main/gpt-samples-level2/samples.jsonl')
-        assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.inner_steps) == (800, 3e-5, 8, 0.04, 2)
+            'test', 2, None, {'oracle': 1.0}, f"runs/main/{'samples' if ldm else 'gpt-samples'}-level2/samples.jsonl")
+        assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.inner_steps) == (
+            (200, 1e-5, 8, 0.04, 2) if ldm else (800, 3e-5, 8, 0.04, 2))
+        if ldm: assert (m.num_inference_steps, m.train_steps, m.guidance_scale, m.lora_rank) == (10, 5, 4.0, None)
     elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe: the text variant's training pairs, Tesseract's reading as reward
         m = run_['model']
         assert (m.prompts, m.prompt_split, m.reward, m.num_inference_steps, m.train_steps) == ('shapes-text', 'train', {'ocr': 1.0}, 10, 5)
