@@ -75,7 +75,8 @@ nbtest: install
 #   the starting point of reward fine-tuning for relations (README, "Reward fine-tuning with GRPO")
 # VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt), GLIDE_STEPS / UP_STEPS (glide) and EDIT_STEPS (TASK=edit)
 # override the recipes' step counts. LEVEL=mixed trains latent diffusion 7000 steps, twice the recipe's: at 3500 it
-# does not learn "left" and "right" from mixed scenes (README, "Twice the steps teach the words").
+# does not learn the relation words from mixed scenes; at 7000 the vertical ones every time, "left"/"right" in one of
+# two runs (README, "Twice the steps").
 FAMILY ?= ldm
 TASK ?= t2i
 LEVEL ?= 1
