@@ -5,6 +5,7 @@
 # %% ../../nbs/06a_rewards.ipynb #dccbe2ee
 from __future__ import annotations
 from typing import Sequence
+import os
 import numpy as np, torch
 from ..config import ConfigError, UserError
 from ..edits import score_edit, ssim_scores
@@ -151,8 +152,6 @@ class OCRReward(Reward):
         except Exception: raise UserError("the 'ocr' reward needs the tesseract program: apt-get install tesseract-ocr "
                                           "(conda: tesseract); pytesseract only calls it.") from None
         self.tess = pytesseract
-        import os
-        os.environ.setdefault('OMP_THREAD_LIMIT', '1')                        # each tesseract call on one core
 
     def check_context(self, n:int, context:dict) -> None:
         if context.get('texts') is not None: super().check_context(n, context, ['texts'])
@@ -164,7 +163,11 @@ class OCRReward(Reward):
         if im.height < self.min_height:
             f = self.min_height / im.height
             im = im.resize((round(im.width * f), self.min_height), Image.BICUBIC)
-        return self.tess.image_to_string(im, config=self.config).strip()
+        # tesseract on one core; only its own process sees the limit (one left in this process's environment would
+        # reach every later child, e.g. an `accelerate launch`, where oneDNN then waits for threads that never come)
+        from accelerate.utils import patch_environment
+        with patch_environment(OMP_THREAD_LIMIT=os.environ.get('OMP_THREAD_LIMIT', '1')):
+            return self.tess.image_to_string(im, config=self.config).strip()
 
     def score(self, images, prompts, texts=None, **_) -> list[float]:
         if texts is None:
