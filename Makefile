@@ -45,8 +45,11 @@ sysdeps:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; } || echo "could not install $$missing"; \
 	else echo "not installed (needs root + apt-get): $$missing; the Slurm and browser tests will skip"; fi
 
+# SLOW=1 also runs the pytest tests marked slow (second variants of heavy end-to-end checks: the GLIDE main job, the GPT
+# editor on two ranks, ...); CI runs without it.
+SLOW ?=
 test: check sysdeps
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -q -p no:cacheprovider $(if $(SLOW),--slow)
 	$(MAKE) --no-print-directory nbtest
 	@untracked=$$(git ls-files --others --exclude-standard imagegen scripts nbs 2>/dev/null); \
 	if [ -n "$$untracked" ]; then echo "generated or new files not added to git: $$untracked (git add them)"; exit 1; fi

@@ -17,6 +17,16 @@ def run(cmd, cwd=ROOT, env=None, timeout=600, check=True):
 @pytest.fixture
 def root(): return ROOT
 
+def pytest_addoption(parser):
+    parser.addoption('--slow', action='store_true', default=False,
+                     help="also run the tests marked slow (second variants of heavy end-to-end checks; `make test SLOW=1`)")
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption('--slow'): return
+    skip = pytest.mark.skip(reason="marked slow: run with `make test SLOW=1` or `pytest --slow`")
+    for item in items:
+        if 'slow' in item.keywords: item.add_marker(skip)
+
 def two_ranks(test_file:str, worker:str, out, timeout:float=600):
     """Run `worker(out)` from `test_file` on 2 gloo CPU ranks via accelerate's debug_launcher, in a fresh interpreter:
     forking the pytest process after torch ran multithreaded ops deadlocks the children. The launcher gets its own

@@ -11,6 +11,7 @@ TINY = ['--n_images', '8', '--train_batch_size', '2', '--short_steps', '1', '--l
 ENV = {'OMP_NUM_THREADS': '1'}
 
 
+@pytest.mark.slow   # the flags and failure paths below stay in the default run
 def test_ours_alone_table_and_json(tmp_path):
     out = tmp_path/'bench.json'
     p = run([sys.executable, SCRIPT, '--implementations', 'ours', *TINY, '--warmup_steps', '0', '--work_dir', str(tmp_path/'work'),

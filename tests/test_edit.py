@@ -40,7 +40,7 @@ def rows_and_images(folder):
     return rows, [np.asarray(Image.open(Path(folder)/r['file_name']).convert('RGB')).astype(int) for r in rows]
 
 
-@pytest.mark.parametrize('family', ['ldm', 'gpt'])
+@pytest.mark.parametrize('family', ['ldm', pytest.param('gpt', marks=pytest.mark.slow)])   # the GPT editor: --slow
 def test_edit_train_two_ranks_sample_and_evaluate(t2i, family, tmp_path):
     out = tmp_path/'run'
     launch('scripts/train_edit.py', '--pretrained_model_name_or_path', t2i/family, '--output_dir', out, '--max_steps', 4,

@@ -151,7 +151,7 @@ DIFFUSION_GRPO = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize('text', [False, True], ids=['unet', 'unet+text_encoder'])
+@pytest.mark.parametrize('text', [False, pytest.param(True, marks=pytest.mark.slow)], ids=['unet', 'unet+text_encoder'])
 def test_diffusion_grpo_two_ranks_match_one_rank(tmp_path, text):
     "Latent diffusion GRPO on 2 ranks (the UNet, or the UNet and its text encoder): the first update of a rollout has ratio exactly 1 on each rank, and two updates on group r per rank end at the weights one rank reaches on both groups."
     import json, torch

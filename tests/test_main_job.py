@@ -1,6 +1,7 @@
 "The README's main job, end to end with tiny step counts: every stage runs and the outputs are where it says."
 import json, shutil
 from pathlib import Path
+import pytest
 from conftest import ROOT, run
 
 def test_main_job_tiny(tmp_path):
@@ -34,6 +35,7 @@ def test_main_job_tiny(tmp_path):
     assert (out/'ldm-edit-samples'/'grid.png').exists()
 
 
+@pytest.mark.slow   # the latent diffusion main job above stays in the default run
 def test_main_job_glide_tiny(tmp_path):
     "make main FAMILY=glide: base model, upsampler on Shapes rendered at 128 px, two-stage sampling, both resolutions evaluated."
     out = tmp_path/'main'

@@ -254,6 +254,7 @@ def test_train_one_node_two_processes(cluster, shapes, tmp_path):
     assert (out/'model'/'model_index.json').exists()
     assert not job_processes(job)
 
+@pytest.mark.slow   # one-node, two-node, preemption and scancel jobs stay in the default run
 def test_two_one_node_jobs_share_a_host(cluster, shapes, tmp_path):
     "n1 and n2 are one machine here, as two jobs on one GPU node are: each job's rendezvous must use its own port."
     jobs = {}
