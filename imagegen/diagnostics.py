@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import torch
 
 # %% auto #0
-__all__ = ['gpu_info', 'versions', 'accelerate_view', 'slurm_info', 'in_notebook', 'storage_info', 'launch_command',
-           'warnings_for', 'collect', 'format_report', 'diagnose', 'distributed_check', 'destroy_process_group_at_exit',
-           'notebook_processes', 'launch_in_notebook', 'main']
+__all__ = ['gpu_info', 'versions', 'accelerate_view', 'slurm_info', 'in_notebook', 'storage_info', 'cpu_threads',
+           'launch_command', 'warnings_for', 'collect', 'format_report', 'diagnose', 'distributed_check',
+           'destroy_process_group_at_exit', 'notebook_processes', 'launch_in_notebook', 'main']
 
 # %% ../nbs/00_diagnostics.ipynb #f78d3a54
 def gpu_info(cuda=None) -> list[dict]:
@@ -112,6 +112,14 @@ def storage_info(env:dict|None=None, cwd:Path|str='.') -> dict:
     return dict(cwd=str(Path(cwd).resolve()), cwd_free_gib=free(cwd), hf_hub_cache=str(hub), hf_cache_free_gib=free(hub),
                 hf_offline=env.get('HF_HUB_OFFLINE', '0') in ('1', 'true', 'True'))
 
+# %% ../nbs/00_diagnostics.ipynb #0316a585
+def cpu_threads(env:dict|None=None) -> dict:
+    "The CPU threads torch plans for (`OMP_NUM_THREADS`, else `torch.get_num_threads()`) and OpenMP's `OMP_THREAD_LIMIT`."
+    env = os.environ if env is None else env
+    n, limit = env.get('OMP_NUM_THREADS', ''), env.get('OMP_THREAD_LIMIT', '')
+    return dict(threads=int(n) if n.strip().isdigit() else torch.get_num_threads(),
+                omp_num_threads=n or None, omp_thread_limit=int(limit) if limit.strip().isdigit() else None)
+
 # %% ../nbs/00_diagnostics.ipynb #df389ea4
 def launch_command(n:int, script:str='scripts/train_ldm.py') -> str:
     "The commands that run `script` on `n` GPUs from a notebook's code."
@@ -132,6 +140,11 @@ def warnings_for(report:dict) -> list[str]:
         w.append(f"Slurm allocated {slurm['gpus_per_node']} GPUs per node but torch sees {len(gpus)}: check CUDA_VISIBLE_DEVICES={slurm['cuda_visible_devices']}.")
     if acc['mixed_precision'] == 'bf16' and gpus and not all(g['bf16'] for g in gpus):
         w.append("mixed precision bf16 requested on a GPU without bf16 (compute capability < 8.0): use fp16.")
+    t = report['threads']
+    if t['omp_thread_limit'] is not None and t['omp_thread_limit'] < t['threads']:
+        w.append(f"OMP_THREAD_LIMIT={t['omp_thread_limit']} is below the {t['threads']} CPU threads torch plans for: oneDNN's convolution "
+                 "backward can then spin forever without an error. Unset OMP_THREAD_LIMIT (or set OMP_NUM_THREADS to at most it); "
+                 "every process started from here inherits it, `accelerate launch` ranks included.")
     if report['storage']['hf_cache_free_gib'] < 20:
         w.append(f"Only {report['storage']['hf_cache_free_gib']} GiB free at the Hugging Face cache {report['storage']['hf_hub_cache']}: set HF_HOME to a larger disk.")
     return w
@@ -141,7 +154,8 @@ def collect(env:dict|None=None, cuda=None, notebook:bool|None=None) -> dict:
     "Everything above in one JSON-serialisable dict, with `warnings` at the end."
     env = os.environ if env is None else env
     r = dict(host=socket.gethostname(), versions=versions(cuda), gpus=gpu_info(cuda), accelerate=accelerate_view(env),
-             notebook=in_notebook() if notebook is None else notebook, slurm=slurm_info(env), storage=storage_info(env))
+             notebook=in_notebook() if notebook is None else notebook, slurm=slurm_info(env), storage=storage_info(env),
+             threads=cpu_threads(env))
     r['warnings'] = warnings_for(r)
     return r
 
@@ -161,6 +175,8 @@ def format_report(r:dict) -> str:
                    ('slurm gpus/node', s['gpus_per_node'] if s['gpus_per_node'] is not None else '-'),
                    ('CUDA_VISIBLE_DEVICES', s['cuda_visible_devices'] or '-')]
     else: rows.append(('slurm', 'not in a Slurm job'))
+    t = r['threads']
+    rows.append(('cpu threads', f"{t['threads']} (OMP_NUM_THREADS {t['omp_num_threads'] or '-'}, OMP_THREAD_LIMIT {t['omp_thread_limit'] or '-'})"))
     st = r['storage']
     rows += [('disk free (cwd)', f"{st['cwd_free_gib']} GiB"), ('HF cache', f"{st['hf_hub_cache']} ({st['hf_cache_free_gib']} GiB free{', offline' if st['hf_offline'] else ''})")]
     w = max(len(k) for k, _ in rows)
