@@ -73,8 +73,10 @@ def test_compile_is_off_unless_the_launcher_asks():
 
 
 def test_user_errors_are_one_line(glide2, tmp_path):
+    "Refused inputs, each run as its script's __main__ in one interpreter (conftest.run_many): exit 2, no traceback."
+    from conftest import run_many
     d, _ = glide2
-    p = run([sys.executable, 'scripts/sample.py', '--model', str(d/'up'/'model'), '--prompts', 'a red circle'], check=False)
-    assert p.returncode == 2 and '--upsampler' in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]
-    p = run([sys.executable, 'scripts/train_glide.py', '--stage', 'decoder', '--output_dir', str(tmp_path/'x')], check=False)
-    assert p.returncode == 2 and "invalid choice: 'decoder'" in p.stderr, p.stderr[-2000:]
+    upsampler_alone, bad_stage = run_many([('scripts/sample.py', ['--model', d/'up'/'model', '--prompts', 'a red circle']),
+                                           ('scripts/train_glide.py', ['--stage', 'decoder', '--output_dir', tmp_path/'x'])])
+    assert upsampler_alone['returncode'] == 2 and '--upsampler' in upsampler_alone['stderr'] and 'Traceback' not in upsampler_alone['stderr'], upsampler_alone['stderr'][-2000:]
+    assert bad_stage['returncode'] == 2 and "invalid choice: 'decoder'" in bad_stage['stderr'], bad_stage['stderr'][-2000:]

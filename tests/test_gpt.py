@@ -78,11 +78,13 @@ def test_sample_and_evaluate_on_two_ranks(gpt2, tmp_path):
 
 
 def test_user_errors_are_one_line(vq, gpt2, tmp_path):
+    "Refused inputs, each run as its script's __main__ in one interpreter (conftest.run_many): exit 2, one line, no traceback."
+    from conftest import run_many
     run_dir, _ = gpt2
-    p = run([sys.executable, 'scripts/train_gpt.py', '--vqvae', str(run_dir/'model'), '--output_dir', str(tmp_path/'x'), *map(str, GPT_ARGS)],
-            check=False)   # a latent GPT folder is not a VQ model
-    assert p.returncode == 2 and 'Traceback' not in p.stderr and 'VQ' in p.stderr, p.stderr[-2000:]
-    p = run([sys.executable, 'scripts/sample.py', '--model', str(vq), '--prompts', 'a red circle'], check=False)
-    assert p.returncode == 2 and 'holds neither' in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]
-    p = run([sys.executable, 'scripts/sample.py', '--model', str(run_dir/'model'), '--prompt', 'a red circle'], check=False)
-    assert p.returncode == 2 and 'unrecognized arguments: --prompt' in p.stderr     # no prefix abbreviations
+    wrong_vq, not_a_model, abbreviated = run_many([
+        ('scripts/train_gpt.py', ['--vqvae', run_dir/'model', '--output_dir', tmp_path/'x', *GPT_ARGS]),   # a latent GPT folder is not a VQ model
+        ('scripts/sample.py', ['--model', vq, '--prompts', 'a red circle']),
+        ('scripts/sample.py', ['--model', run_dir/'model', '--prompt', 'a red circle'])])
+    assert wrong_vq['returncode'] == 2 and 'Traceback' not in wrong_vq['stderr'] and 'VQ' in wrong_vq['stderr'], wrong_vq['stderr'][-2000:]
+    assert not_a_model['returncode'] == 2 and 'holds neither' in not_a_model['stderr'] and 'Traceback' not in not_a_model['stderr'], not_a_model['stderr'][-2000:]
+    assert abbreviated['returncode'] == 2 and 'unrecognized arguments: --prompt' in abbreviated['stderr']     # no prefix abbreviations
