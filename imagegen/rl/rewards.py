@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 import os
 import numpy as np, torch
+from accelerate.utils import patch_environment
 from ..config import ConfigError, UserError
 from ..edits import score_edit, ssim_scores
 from ..grids import to_pil
@@ -165,7 +166,6 @@ class OCRReward(Reward):
             im = im.resize((round(im.width * f), self.min_height), Image.BICUBIC)
         # tesseract on one core; only its own process sees the limit (one left in this process's environment would
         # reach every later child, e.g. an `accelerate launch`, where oneDNN then waits for threads that never come)
-        from accelerate.utils import patch_environment
         with patch_environment(OMP_THREAD_LIMIT=os.environ.get('OMP_THREAD_LIMIT', '1')):
             return self.tess.image_to_string(im, config=self.config).strip()
 
