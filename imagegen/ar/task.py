@@ -16,7 +16,7 @@ from .model import OUTPUT_HEADS, LatentGPT, LatentGPTConfig
 from ..config import Config, ConfigError
 from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
 from ..grids import to_pil
-from ..text import TextEncoder, load_text_encoder
+from ..text import TextEncoder, load_text_encoder, text_states
 from ..training.loop import make_optimizer
 
 # %% auto #0
@@ -93,7 +93,7 @@ class GPTWithTextEncoder(nn.Module):
         super().__init__()
         self.gpt, self.text_model = gpt, text_model
     def forward(self, tokens:torch.Tensor, input_ids:torch.Tensor, cond_mask:torch.Tensor, **memory) -> torch.Tensor:
-        states = self.text_model(input_ids).last_hidden_state                                        # (B, L, D_text)
+        states = text_states(self.text_model, input_ids)                                       # (B, L, D_text)
         return self.gpt(tokens, encoder_hidden_states=states, cond_mask=cond_mask, **memory).logits  # (B, N, V)
 
 class TextToImageGPT:

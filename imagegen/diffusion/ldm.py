@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
 from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
 from ..grids import to_pil
-from ..text import TextEncoder, load_text_encoder
+from ..text import TextEncoder, load_text_encoder, text_states
 from ..config import Config, ConfigError
 from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
 from ..training.loop import make_optimizer
@@ -36,8 +36,9 @@ class LDMConfig(Config):
     vae:str|None = None                  # 'tiny' (random), 'pixel' (no VAE) or an AutoencoderKL folder/Hub id; None: the pretrained model's, else 'tiny'
     vae_subfolder:str|None = None        # e.g. 'vae' when `vae` names a whole pipeline
     vae_n_down:int = 3                   # tiny VAE: 3 -> 4x downsampling (8x8 latents at 32 px), 2 -> 2x
-    text_encoder:str|None = None         # 'tiny' or a CLIP text model folder/Hub id; None: the pretrained model's, else 'tiny'
+    text_encoder:str|None = None         # 'tiny' or a CLIP text model / T5 encoder folder or Hub id; None: the pretrained model's, else 'tiny'
     text_layout:str|None = None          # 'diffusers' when `text_encoder` names a whole pipeline (tokenizer/ + text_encoder/)
+    text_model:str = 'clip'              # tiny text encoder: 'clip' (causal, as Stable Diffusion) or 't5' (bidirectional, as Imagen/IF)
     text_hidden:int = 64                 # tiny text encoder width
     text_layers:int = 2                  # tiny text encoder depth
     text_max_length:int = 32             # tiny text encoder context (tokens)
@@ -77,6 +78,7 @@ class LDMConfig(Config):
         if not all(c >= 1 for c in self.block_out_channels): bad('block_out_channels', "every level needs >= 1 channel.")
         for f in ('vae_n_down', 'text_hidden', 'text_layers', 'text_max_length', 'layers_per_block', 'attention_head_dim', 'num_train_timesteps'):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
+        if self.text_model not in ('clip', 't5'): bad('text_model', "use 'clip' (causal) or 't5' (bidirectional).")
         if self.snr_gamma is not None and not self.snr_gamma > 0: bad('snr_gamma', "must be > 0 (5.0 is usual), or None for plain MSE.")
         if not 0 <= self.cond_dropout <= 1: bad('cond_dropout', "must be in [0, 1].")
         if not self.noise_offset >= 0: bad('noise_offset', "must be >= 0.")
@@ -134,7 +136,7 @@ class UNetWithTextEncoder(nn.Module):
         super().__init__()
         self.unet, self.text_model = unet, text_model
     def forward(self, noisy, timesteps, input_ids, **unet_kwargs):
-        emb = self.text_model(input_ids).last_hidden_state
+        emb = text_states(self.text_model, input_ids)
         return self.unet(noisy, timesteps, encoder_hidden_states=emb, **unet_kwargs).sample
     def enable_gradient_checkpointing(self):
         "Recompute activations in backward, in the UNet and in the text model (the loop's `gradient_checkpointing`)."
@@ -183,7 +185,7 @@ def _load_autoencoder(cfg:LDMConfig) -> ImageAutoencoder:
 def _load_text_encoder(cfg:LDMConfig, corpus:list[str]|None) -> TextEncoder:
     name, kw = cfg.source('text_encoder')
     return load_text_encoder(name, corpus, hidden=cfg.text_hidden, layers=cfg.text_layers, max_length=cfg.text_max_length,
-                             trainable=cfg.train_text_encoder, cache_dir=cfg.cache_dir, owner='LDMConfig', **kw)
+                             trainable=cfg.train_text_encoder, cache_dir=cfg.cache_dir, owner='LDMConfig', arch=cfg.text_model, **kw)
 
 @patch(cls_method=True)
 def from_config(cls:LatentDiffusion, cfg:LDMConfig|str='tiny', corpus:list[str]|None=None, autoencoder:ImageAutoencoder|None=None,

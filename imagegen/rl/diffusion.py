@@ -13,6 +13,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..config import ConfigError, UserError
 from ..diffusion.sampling import draw_noise, make_scheduler
 from ..edits import prepare_sources
+from ..text import text_states
 from .grpo import GRPOConfig, Route, RunPolicy, Trainables, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
 from ..training.loop import derived_seed
@@ -231,7 +232,7 @@ class DiffusionGRPO(RunPolicy):
         "The captions' and the empty prompt's text states through `text_model`, computed as the rollouts encode them (last hidden states, float32, dropout off)."
         enc = self.model.text_encoder
         ids, empty = enc.tokenize(list(captions)), enc.tokenize([''] * len(captions))
-        with eval_mode(text_model): return text_model(ids).last_hidden_state.float(), text_model(empty).last_hidden_state.float()
+        with eval_mode(text_model): return text_states(text_model, ids).float(), text_states(text_model, empty).float()
 
     def _ref_means(self, batch) -> torch.Tensor:
         if self.ref_text is not None:

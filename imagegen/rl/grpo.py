@@ -108,6 +108,10 @@ class Route(nn.Module):
     def __init__(self, trainables:nn.Module, name:str):
         super().__init__(); self.trainables, self.name = trainables, name
     def forward(self, *args, **kwargs): return self.trainables(self.name, *args, **kwargs)
+    @property
+    def config(self):
+        "The named module's config (`text_states` reads a text model's `use_attention_mask` through it)."
+        return getattr(getattr(self.trainables, 'module', self.trainables), self.name).config
 
 # %% ../../nbs/06b_grpo.ipynb #aff542a0
 def parse_pairs(pairs, split:str) -> list[tuple[str, str]]:
