@@ -195,6 +195,10 @@ class DiffusionGRPO(RunPolicy):
                               "(full fine-tuning of both) or train_text_encoder.")
         # frozen: text states computed once per rollout; trained: the update recomputes them through the text model
         model.text_encoder.set_trainable(self.train_text)
+        if self.train_text and getattr(model.text_encoder.model.config, 'use_attention_mask', False):
+            # a masked text model (T5): CPU SDPA takes another kernel with gradients than without for its additive mask and
+            # bias, ~1e-6 apart, and the ratio before the first update must be exactly 1: its plain attention is the same both ways
+            model.text_encoder.model.set_attn_implementation('eager')
         if self.lora: add_lora(model.unet, lora_rank, lora_alpha)
         # the KL reference: LoRA's base weights (adapters off), else a frozen copy of the starting UNet (and text model)
         frozen = lambda m: copy.deepcopy(m).eval().requires_grad_(False) if self.grpo.kl_coef > 0 and not self.lora else None
