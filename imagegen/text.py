@@ -118,7 +118,6 @@ def forward(self:TextEncoder, input_ids:torch.Tensor) -> torch.Tensor:
     "Last hidden states `(B, L, D)` for token ids (`text_states`)."
     return text_states(self.model, input_ids)
 
-
 # %% ../nbs/01b_text.ipynb #89ef3d30
 @patch
 def encode(self:TextEncoder, prompts:list[str]) -> torch.Tensor:
@@ -166,7 +165,6 @@ def tiny(cls:TextEncoder, corpus:list[str], hidden:int=64, layers:int=2, heads:i
         torch.manual_seed(seed)
         model = (CLIPTextModel if arch == 'clip' else T5EncoderModel)(cfg)
     return cls(tok, model, trainable=trainable, cache_size=cache_size)
-
 
 # %% ../nbs/01b_text.ipynb #2d67f2c1
 class CaptionIds(Dataset):
@@ -226,11 +224,13 @@ def from_pretrained(cls:TextEncoder, name_or_path:str|Path, cache_dir:str|None=N
         raise FileNotFoundError(f"{p} has text_encoder/ but no tokenizer/: save both (TextEncoder.save_pretrained) or pass layout='flat'.")
     sub = dict(tok={'subfolder':'tokenizer'}, model={'subfolder':'text_encoder'}) if layout == 'diffusers' else dict(tok={}, model={})
     kind = AutoConfig.from_pretrained(str(name_or_path), cache_dir=cache_dir, revision=revision, **sub['model']).model_type
-    classes = {'clip': CLIPTextModel, 'clip_text_model': CLIPTextModel, 't5': T5EncoderModel, 'mt5': T5EncoderModel, 'umt5': T5EncoderModel}
+    classes = {'clip': CLIPTextModel, 'clip_text_model': CLIPTextModel, 't5': T5EncoderModel}
     if kind not in classes:
         raise ValueError(f"{name_or_path}: its text model is a {kind!r}; TextEncoder loads CLIP text models and T5 encoders ({', '.join(sorted(classes))}).")
     tok = (CLIPTokenizer if classes[kind] is CLIPTextModel else AutoTokenizer).from_pretrained(str(name_or_path), cache_dir=cache_dir, revision=revision, **sub['tok'])
     model = classes[kind].from_pretrained(str(name_or_path), cache_dir=cache_dir, dtype=torch_dtype, revision=revision, **sub['model'], **kwargs)
+    # T5 was pretrained with its padding masked, and DeepFloyd IF encodes prompts so: mask unless its config says otherwise
+    if kind == 't5' and not hasattr(model.config, 'use_attention_mask'): model.config.use_attention_mask = True
     return cls(tok, model, trainable=trainable, cache_size=cache_size)
 
 # %% ../nbs/01b_text.ipynb #c51414b0
