@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import json
 import numpy as np, torch
 from torch import nn
+from accelerate.utils import extract_model_from_parallel
 from ..config import Config, ConfigError
 from pathlib import Path
 from ..shapes import COLORS, HELD_OUT, RELATIONS, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_pairs, text_prompt
@@ -111,7 +112,7 @@ class Route(nn.Module):
     @property
     def config(self):
         "The named module's config (`text_states` reads a text model's `use_attention_mask` through it)."
-        return getattr(getattr(self.trainables, 'module', self.trainables), self.name).config
+        return getattr(extract_model_from_parallel(self.trainables), self.name).config
 
 # %% ../../nbs/06b_grpo.ipynb #aff542a0
 def parse_pairs(pairs, split:str) -> list[tuple[str, str]]:
