@@ -187,10 +187,13 @@ class Flag:
     def targets(self) -> tuple[str, ...]: return (self.target,) if isinstance(self.target, str) else tuple(self.target)
 
 def _field_help(cls) -> dict[str, str]:
-    "A config class's field comments (fastcore's `docments`), used as flag help."
+    "A config class's field comments (fastcore's `docments`), its bases' included (a subclass's own win), used as flag help."
     from fastcore.docments import docments
-    try: return {k: v for k, v in docments(cls).items() if v}
-    except Exception: return {}
+    out = {}
+    for c in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):   # docments reads one class body, not its bases
+        try: out.update({k: v for k, v in docments(c).items() if v and k != 'return'})
+        except Exception: pass
+    return out
 
 def _arg_kwargs(hint) -> dict:
     "argparse keywords for a field of type `hint`: bare booleans, several values for lists."

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01a_data.ipynb #0207122e
 from __future__ import annotations
-import io, itertools, json, logging, math, os, re, tarfile, zlib
+import copy, io, itertools, json, logging, math, os, re, tarfile, zlib
 from pathlib import Path
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 
            'caption_members', 'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample',
            'dist_info', 'ShardSource', 'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator',
            'make_dataloader', 'DataConfig', 'is_shapes', 'shapes_prompts', 'collect_captions', 'EncodedDataset',
-           'encode_dataset', 'weights_digest', 'DiskEncodedDataset', 'encode_dataset_cached']
+           'encode_dataset', 'weights_digest', 'DiskEncodedDataset', 'encode_dataset_cached', 'BothOrientations',
+           'RandomFlipView']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -584,7 +585,7 @@ class DataConfig(Config):
     image_column: str|None = None    # Hub datasets: the image column (default: the first image feature)
     caption_column: str|None = None  # caption column / metadata key (default: 'text', then 'caption')
     center_crop: bool = True         # resize the shorter side, then crop the centre (False: a random crop)
-    random_flip: bool = False        # flip half of the images horizontally (Shapes scenes and captions are mirrored too)
+    random_flip: bool = False        # mirror half of the images, a fresh draw per epoch (Shapes scenes and captions too; caches hold both)
     caption_dropout: float = 0.0     # probability that a caption becomes '' (classifier-free guidance)
     num_workers: int = 0             # DataLoader worker processes
     cache_dir: str|None = None       # Hub datasets cache
@@ -804,3 +805,50 @@ def encode_dataset_cached(encode, dataset, cache_dir:str|Path, fingerprint:dict,
     if ds.meta['fingerprint'] != fp:
         raise ValueError(f"{final} was encoded from {ds.meta['fingerprint']}, not {fp}: delete it and encode again.")
     return ds
+
+# %% ../nbs/01a_data.ipynb #1916bff3
+class BothOrientations(Dataset):
+    "A map-style source twice over: sample `i` as written, sample `i + N` mirrored (its scene and captions with it), for a cache of `random_flip` data."
+    def __init__(self, source:Dataset):
+        tf = getattr(source, 'transform', None)
+        if isinstance(source, IterableDataset) or not isinstance(tf, ImageTransform):
+            raise TypeError(f"BothOrientations needs a map-style source with an ImageTransform (Shapes, an image folder, a Hub dataset), "
+                            f"not {type(source).__name__}.")
+        self.source, self.n, self.views = source, len(source), []
+        for p in (0., 1.):                                 # never flipped, always flipped; the source itself is left as it was
+            view = copy.copy(source); view.transform = ImageTransform(tf.resolution, tf.crop, p, tf.swap_lr_words)
+            self.views.append(view)
+    def __len__(self): return 2 * self.n
+    def __getitem__(self, i:int) -> dict:
+        if not -len(self) <= i < len(self): raise IndexError(f"index {i} out of range for {len(self)} samples")
+        i %= len(self)
+        s = self.views[i // self.n][i % self.n]
+        return {**s, 'key': f"{s['key']}#mirrored"} if i >= self.n and s.get('key') is not None else s
+    def __repr__(self): return f"BothOrientations({self.n} samples as written, {self.n} mirrored, of {type(self.source).__name__})"
+
+class RandomFlipView(Dataset):
+    "`N` samples over an encoded `BothOrientations` (`2N`): every access returns sample `i` mirrored with probability `p`, else as written."
+    def __init__(self, encoded:Dataset, p:float=0.5):
+        if len(encoded) % 2: raise ValueError(f"RandomFlipView needs an encoded BothOrientations (an even number of samples), got {len(encoded)}.")
+        if not 0 <= p <= 1: raise ValueError(f"p must be in [0, 1], got {p}.")
+        self.encoded, self.n, self.p = encoded, len(encoded) // 2, p
+    @property
+    def captions(self) -> list:
+        "Every caption list the view can return, both orientations (what a text-embedding cache must hold)."
+        return self.encoded.captions
+    def __len__(self): return self.n
+    def __getitem__(self, i:int) -> dict:
+        if not -self.n <= i < self.n: raise IndexError(f"index {i} out of range for {self.n} samples")
+        return self.encoded[i % self.n + self.n * int(float(torch.rand(())) < self.p)]
+    def __repr__(self): return f"RandomFlipView({self.n} samples, mirrored with p={self.p}, over {self.encoded!r})"
+
+@patch
+def for_cache(self:DataConfig, dataset:Dataset) -> Dataset:
+    "What to encode into a cache: `dataset` in both orientations with `random_flip` (`BothOrientations`), else itself."
+    return BothOrientations(dataset) if self.random_flip else dataset
+
+@patch
+def from_cache(self:DataConfig, encoded:Dataset) -> Dataset:
+    "The training view of a cache `for_cache` made: a fresh flip at every access with `random_flip` (`RandomFlipView`), else itself."
+    return RandomFlipView(encoded) if self.random_flip else encoded
+

@@ -33,8 +33,9 @@ def train_gpt(tcfg:TrainConfig, cfg:GPTConfig, dcfg:GPTDataConfig) -> TextToImag
     prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) else None  # --validation_prompts win (the loop sets them)
     model = TextToImageGPT.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
     if dcfg.cache_tokens and not getattr(dl, 'self_sharded', False):  # the ranks split the tokenizing into an on-disk cache
-        ds = cache_tokens(model.tokenizer.to(acc.device), ds, progress=acc.is_local_main_process, accelerator=acc,
+        ds = cache_tokens(model.tokenizer.to(acc.device), dcfg.for_cache(ds), progress=acc.is_local_main_process, accelerator=acc,
                           cache_dir=dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', fingerprint=dcfg.fingerprint(cfg.resolution))
+        ds = dcfg.from_cache(ds)   # --random_flip: both orientations cached, one drawn per sample and epoch
         dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution, dataset=ds)
     train(model, dl, tcfg, accelerator=acc, sections={'data': dcfg})  # the model section is model.config
     return model

@@ -28,9 +28,10 @@ def train_ldm(tcfg:TrainConfig, cfg:LDMConfig, dcfg:LDMDataConfig) -> LatentDiff
     model = LatentDiffusion.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
     cache_dir = dcfg.encoded_cache or f'{tcfg.output_dir}/encoded'   # latents and text embeddings, shared by ranks and runs
     if dcfg.cache_latents:  # the ranks split the encoding into an on-disk cache, then each reads all of it (the loader shards it)
-        ds = cache_latents(model.autoencoder.to(acc.device), ds, progress=acc.is_local_main_process, mode=dcfg.latent_mode,
+        ds = cache_latents(model.autoencoder.to(acc.device), dcfg.for_cache(ds), progress=acc.is_local_main_process, mode=dcfg.latent_mode,
                            cache_dir=cache_dir, accelerator=acc,
                            fingerprint=dcfg.fingerprint(cfg.resolution))
+        ds = dcfg.from_cache(ds)   # --random_flip: both orientations cached, one drawn per sample and epoch
         dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution, dataset=ds)
     if dcfg.cache_text_embeddings:  # every caption of the cached data (and ''), encoded once; the loss then reads them
         caps = [c for cs in ds.captions for c in ([cs] if isinstance(cs, str) else cs)]
