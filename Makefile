@@ -77,9 +77,10 @@ nbtest: install
 #   and the text-to-image model is also scored on 200 held-out two-object prompts with a relation (SAMPLES-level2/);
 #   the starting point of reward fine-tuning for relations (README, "Reward fine-tuning with GRPO")
 # VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt), GLIDE_STEPS / UP_STEPS (glide) and EDIT_STEPS (TASK=edit)
-# override the recipes' step counts. LEVEL=mixed trains latent diffusion 7000 steps, twice the recipe's: at 3500 it
-# does not learn the relation words from mixed scenes; at 7000 the vertical ones every time, "left"/"right" in one of
-# two runs (README, "Twice the steps").
+# override the recipes' step counts. LEVEL=mixed trains latent diffusion 7000 steps, twice the recipe's, with mirror
+# flips (--random_flip: "left" and "right" swapped in the captions with the image): at 3500 steps it does not learn the
+# relation words from mixed scenes; at 7000 without flips the vertical ones every time, "left"/"right" in one of two
+# runs; with every scene also seen mirrored, all of them (README, "Mirrored scenes teach left and right").
 FAMILY ?= ldm
 TASK ?= t2i
 LEVEL ?= 1
@@ -101,11 +102,13 @@ TRAIN_DATA = $(MAIN)/shapes/imagefolder/train
 # second object, which a first stage trained on the single-object folder drops (first-stage ceilings in the README);
 # text-to-image keeps that folder
 FIRST_STAGE_DATA = $(if $(filter edit,$(TASK)),--dataset_name shapes:level=mixed,--train_data_dir $(TRAIN_DATA))
+# LEVEL=mixed: latent diffusion sees every scene mirrored too (its "left"/"right": README, "Mirrored scenes teach left and right")
+LDM_LEVEL_ARGS = $(if $(filter mixed,$(LEVEL)),--random_flip true)
 define TRAIN_ldm
 	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_vae.yaml --output_dir $(MAIN)/vae \
 	  $(FIRST_STAGE_DATA) $(if $(VAE_STEPS),--max_train_steps $(VAE_STEPS))
 	$(LAUNCH) scripts/train_ldm.py --config scripts/configs/main_ldm.yaml --output_dir $(MAIN)/ldm --vae $(MAIN)/vae/model \
-	  --train_data_dir $(TRAIN_DATA) $(if $(LDM_STEPS),--max_train_steps $(LDM_STEPS))
+	  --train_data_dir $(TRAIN_DATA) $(LDM_LEVEL_ARGS) $(if $(LDM_STEPS),--max_train_steps $(LDM_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/samples
 endef

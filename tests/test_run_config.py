@@ -164,6 +164,9 @@ def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):
     assert '--max_train_steps 7000' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed',))
     assert '--max_train_steps' not in main_command(tmp_path, 'scripts/train_ldm.py')
     assert '--max_train_steps 60' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed', 'LDM_STEPS=60'))
+    # and sees every scene mirrored too (its left/right: README, "Mirrored scenes teach left and right"); level 1 as before
+    assert '--random_flip true' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed',))
+    assert '--random_flip' not in main_command(tmp_path, 'scripts/train_ldm.py')
     p = run(['make', '-s', 'main', f'MAIN={tmp_path}', 'LEVEL=2'], check=False)
     assert p.returncode != 0 and 'LEVEL is 1, or mixed' in p.stdout + p.stderr
 
