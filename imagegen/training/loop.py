@@ -479,7 +479,8 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     cfg, acc = self.cfg, self.acc
     # the norm is computed even without clipping (max_norm=inf scales by 1): a non-finite gradient is never applied
     gn = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float('inf'))
-    gn = torch.zeros((), device=acc.device) if gn is None else gn.detach().float()
+    # torch returns a CPU zero when no parameter has a gradient: bring the norm to the losses' device
+    gn = torch.zeros((), device=sums.device) if gn is None else gn.detach().float().to(sums.device)
     bad = sums[-1] > 0
     if acc.mixed_precision != 'fp16': bad = bad | ~torch.isfinite(gn)
     # one read from the device per update: the losses, the verdict and the norm; the host's own counts join them
