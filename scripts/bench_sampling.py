@@ -16,9 +16,8 @@ def bench(samplers:list[str], steps:int=20, batch:int=4, repeats:int=5, guidance
           image_size:int=64, device:str='cpu', dtype:str='float32') -> list[dict]:
     "Median seconds per image for ours and the pipeline, per sampler, measured alternately in one process."
     c = tiny_sd_components(seed=0, image_size=image_size, width=width)
-    for k in ('unet', 'vae', 'text_encoder'):
-        c[k].to(device)
-        if dtype != 'float32': c[k].to(getattr(torch, dtype))
+    for k in ('unet', 'vae', 'text_encoder'):   # a dtype given to `.to` makes diffusers warn even for float32
+        c[k].to(device) if dtype == 'float32' else c[k].to(device, getattr(torch, dtype))
     pipe = to_pipeline(**c)
     prompts = [f'prompt {i}' for i in range(batch)]
     rows = []
@@ -34,9 +33,9 @@ def bench(samplers:list[str], steps:int=20, batch:int=4, repeats:int=5, guidance
             pair = [(ours, t_o), (theirs, t_p)]
             for fn, acc in (pair if r % 2 == 0 else pair[::-1]): acc.append(time_once(fn) / batch)
         o, p = statistics.median(t_o), statistics.median(t_p)
-        paired = sorted(a / b for a, b in zip(t_o, t_p))   # each round's two runs were adjacent: their ratio sees the same load
+        paired = [a / b for a, b in zip(t_o, t_p)]   # each round's two runs were adjacent: their ratio sees the same load
         rows.append(dict(sampler=name, steps=steps, batch=batch, dtype=dtype, ours_s=o, pipeline_s=p, ratio=o / p,
-                         round_ratio_min=paired[0], round_ratio_max=paired[-1], ours_s_all=t_o, pipeline_s_all=t_p))
+                         round_ratio_min=min(paired), round_ratio_max=max(paired), ours_s_all=t_o, pipeline_s_all=t_p))
     return rows
 
 def format_table(rows:list[dict]) -> str:
