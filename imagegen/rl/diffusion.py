@@ -85,8 +85,8 @@ def _resolution(model) -> int:
 def diffusion_rollouts(model, prompts:Sequence[str], group_size:int, num_inference_steps:int=10, guidance_scale:float=4.0,
                        eta:float=1.0, seed:int=0, generator:torch.Generator|None=None, sources=None,
                        image_guidance_scale:float=1.0, decode:bool=True, scheduler:DDIMScheduler|None=None,
-                       use_same_noise:bool=False) -> dict:
-    "`group_size` samples per prompt (a prompt's samples consecutive) with stochastic DDIM: the latent trajectory `(B*G, T+1, C, h, w)`, each step's `sample_logp` `(B*G, T)`, images, the text states; an editor also takes the source images (one per prompt). `use_same_noise`: one starting noise per prompt, shared by its group."
+                       use_same_noise:bool=False, step_eta:Sequence[float]|None=None) -> dict:
+    "`group_size` samples per prompt (a prompt's samples consecutive) with stochastic DDIM: the latent trajectory `(B*G, T+1, C, h, w)`, each step's `sample_logp` `(B*G, T)`, images, the text states; an editor also takes the source images (one per prompt). `use_same_noise`: one starting noise per prompt, shared by its group. `step_eta`: each step's own `eta` in place of `eta`; a step at 0 is DDIM's deterministic step (its `sample_logp` 0)."
     editor = model.unet.config.in_channels > model.autoencoder.latent_channels
     if editor and sources is None: raise UserError(f"{type(model).__name__} is an editor: give the source images (one per prompt).")
     if not editor and sources is not None: raise UserError("source images given, but this text-to-image model reads none: load an editor.")
@@ -99,6 +99,9 @@ def diffusion_rollouts(model, prompts:Sequence[str], group_size:int, num_inferen
         if len(src) != len(prompts): raise ValueError(f"{len(src)} source images for {len(prompts)} prompts.")
         src = src.repeat_interleave(group_size, 0)
     sched = scheduler or rollout_scheduler(model, num_inference_steps)
+    etas = [eta] * len(sched.timesteps) if step_eta is None else [float(e) for e in step_eta]
+    if len(etas) != len(sched.timesteps) or min(etas) < 0:
+        raise ConfigError(f"step_eta={list(step_eta)}: give one eta >= 0 per sampling step ({len(sched.timesteps)}).")
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     res = _resolution(model)
     shape = model.autoencoder.latent_shape(res, res)
@@ -107,9 +110,10 @@ def diffusion_rollouts(model, prompts:Sequence[str], group_size:int, num_inferen
     traj, logps = [z], []
     was = model.unet.training; model.unet.eval()
     try:
-        for t in sched.timesteps:
+        for t, e in zip(sched.timesteps, etas):
             out = guided_prediction(model.unet, sched.scale_model_input(z, t), t, cond, uncond, guidance_scale, src, image_guidance_scale)
-            z, lp, _ = ddim_step_with_logprob(sched, out, t, z, eta, generator=generator)
+            if e > 0: z, lp, _ = ddim_step_with_logprob(sched, out, t, z, e, generator=generator)
+            else: z, lp = sched.step(out.float(), t, z.float(), eta=0.0, return_dict=False)[0], torch.zeros(n, device=z.device)
             traj.append(z); logps.append(lp)
     finally: model.unet.train(was)
     images = model.autoencoder.decode(z).clamp(-1, 1) if decode else None
@@ -167,7 +171,7 @@ class DiffusionGRPO(RunPolicy):
     def __init__(self, model, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4, guidance_scale:float|None=None,
                  num_inference_steps:int=10, eta:float=1.0, train_steps:int|None=None, inner_steps:int=1,
                  image_guidance_scale:float|None=None, lora_rank:int|None=None, lora_alpha:float|None=None,
-                 train_text_encoder:bool=False, use_same_noise:bool=False):
+                 train_text_encoder:bool=False, use_same_noise:bool=False, untrained_eta:float|None=None):
         if inner_steps < 1 or prompts_per_step < 1: raise ConfigError("inner_steps and prompts_per_step must be >= 1.")
         if not eta > 0: raise ConfigError(f"eta={eta}: GRPO needs stochastic steps (eta > 0; 1.0 is DDPM's variance).")
         lat = model.autoencoder.latent_channels
@@ -189,6 +193,11 @@ class DiffusionGRPO(RunPolicy):
             raise ConfigError(f"train_steps={train_steps}: {num_inference_steps} sampling steps have {len(stochastic)} stochastic ones to train; "
                               f"choose 1..{len(stochastic)} (None: all).")
         self.train_steps = stochastic[:train_steps] if train_steps else stochastic      # the first (noisiest) steps decide the layout
+        self.step_eta = None
+        if untrained_eta is not None:
+            if not train_steps: raise ConfigError(f"untrained_eta={untrained_eta} sets the noise of the steps left untrained; every step trains here: set train_steps too.")
+            if untrained_eta < 0: raise ConfigError(f"untrained_eta={untrained_eta}: must be >= 0 (0: deterministic DDIM steps outside the trained ones).")
+            self.step_eta = [self.eta if i in self.train_steps else float(untrained_eta) for i in range(len(self.sched.timesteps))]
         self.lora, self.train_text = lora_rank is not None, bool(train_text_encoder)
         if self.lora and self.train_text:
             raise ConfigError("train_text_encoder trains the text model fully, and lora_rank adapts the UNet alone: drop lora_rank "
@@ -215,7 +224,8 @@ class DiffusionGRPO(RunPolicy):
             raise UserError(f"{type(self.model).__name__} is an editor: its prompt stream must give source images (context 'sources'), as ShapesEditPrompts does.")
         with eval_mode(self.model.text_encoder.model):
             ro = diffusion_rollouts(self.model, prompts, G, guidance_scale=self.g, eta=self.eta, seed=seed, sources=sources if self.editor else None,
-                                    image_guidance_scale=self.ig, scheduler=self.sched, use_same_noise=self.same_noise)
+                                    image_guidance_scale=self.ig, scheduler=self.sched, use_same_noise=self.same_noise,
+                                    step_eta=self.step_eta)
         ctx = {k: [v for v in vals for _ in range(G)] for k, vals in ctx.items()}
         total, parts = self.reward.parts(ro['images'], ro['prompts'], **ctx)
         adv, st = group_advantages(total, G, self.grpo.std_eps, self.grpo.adv_clip)

@@ -52,6 +52,7 @@ class GRPORunConfig(Config):
     lora_alpha: float|None = None             # diffusion: LoRA's alpha (None: the rank)
     train_text_encoder: bool = False          # diffusion: fine-tune the text encoder with the UNet (full fine-tuning; diffusers' flag)
     use_same_noise: bool = False              # diffusion: one starting noise per prompt, shared by its group (DanceGRPO's option)
+    untrained_eta: float|None = None          # diffusion, with train_steps: DDIM's noise scale in the steps left untrained (None: eta; 0: deterministic, MixGRPO's ODE steps)
     stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
     decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
     decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
@@ -71,6 +72,9 @@ class GRPORunConfig(Config):
         if self.prompt_level not in (1, 2): raise ConfigError(f"GRPORunConfig.prompt_level={self.prompt_level}: Shapes scenes have 1 or 2 objects.")
         if self.prompts_per_step < 1 or self.inner_steps < 1: raise ConfigError("GRPORunConfig: prompts_per_step and inner_steps must be >= 1.")
         if not self.eta > 0: raise ConfigError(f"GRPORunConfig.eta={self.eta}: rollouts need stochastic steps (eta > 0).")
+        if self.untrained_eta is not None and self.train_steps is None:
+            raise ConfigError(f"GRPORunConfig.untrained_eta={self.untrained_eta} sets the noise of the steps left untrained, but train_steps is None "
+                              "(every step trains): set train_steps too.")
 
     @property
     def reward_weights(self) -> dict[str, float]: return self.reward or {'oracle': 1.0}
@@ -124,8 +128,9 @@ class GRPORunConfig(Config):
         if hybrid_opts: raise ConfigError(f"{', '.join(hybrid_opts)}: options of hybrid pipeline runs; {self.pretrained_model_name_or_path} is a single model.")
         diffusion = isinstance(model, LatentDiffusion)
         editor = model.unet.config.in_channels > model.autoencoder.latent_channels if diffusion else bool(model.gpt.config.source_tokens)
-        if not diffusion and (self.lora_rank is not None or self.train_steps is not None or self.train_text_encoder or self.use_same_noise):
-            raise ConfigError("lora_rank, train_steps, train_text_encoder and use_same_noise are options of latent diffusion runs; a latent "
+        if not diffusion and (self.lora_rank is not None or self.train_steps is not None or self.train_text_encoder or self.use_same_noise
+                              or self.untrained_eta is not None):
+            raise ConfigError("lora_rank, train_steps, train_text_encoder, use_same_noise and untrained_eta are options of latent diffusion runs; a latent "
                               "GPT trains all its tokens, fully, on a frozen text encoder, and draws no starting noise.")
         if diffusion and (self.temperature is not None or self.ratio_on != 'guided'):
             raise ConfigError("temperature and ratio_on are options of latent GPT runs; a diffusion step is scored under the guided mixture that drew it.")
@@ -136,13 +141,13 @@ class GRPORunConfig(Config):
         if diffusion:
             return DiffusionGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.num_inference_steps, self.eta,
                                  self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha,
-                                 self.train_text_encoder, self.use_same_noise)
+                                 self.train_text_encoder, self.use_same_noise, self.untrained_eta)
         return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
                        self.ratio_on, self.inner_steps, self.image_guidance_scale)
 
     def _build_hybrid(self, pipe:HybridPipeline, grpo:GRPOConfig|None) -> HybridGRPO:
-        if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder or self.use_same_noise:
-            raise ConfigError("lora_rank, image_guidance_scale, train_text_encoder and use_same_noise: a hybrid pipeline run trains its "
+        if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder or self.use_same_noise or self.untrained_eta is not None:
+            raise ConfigError("lora_rank, image_guidance_scale, train_text_encoder, use_same_noise and untrained_eta: a hybrid pipeline run trains its "
                               "stages fully, from prompts alone, on frozen text encoders; its decoder starts from the GPT's layouts.")
         prompts = self.prompt_source(False)
         ar_reward = self._reward(self.reward_weights)
