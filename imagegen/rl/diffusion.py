@@ -16,7 +16,7 @@ from ..edits import prepare_sources
 from ..text import text_states
 from .grpo import GRPOConfig, Route, RunPolicy, Trainables, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
-from ..training.loop import derived_seed
+from ..training.loop import derived_seed, make_optimizer
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'ddim_step_std', 'ddim_step_with_logprob', 'guided_prediction', 'rollout_scheduler',
@@ -171,7 +171,8 @@ class DiffusionGRPO(RunPolicy):
     def __init__(self, model, reward:Reward, prompts, grpo:GRPOConfig|None=None, prompts_per_step:int=4, guidance_scale:float|None=None,
                  num_inference_steps:int=10, eta:float=1.0, train_steps:int|None=None, inner_steps:int=1,
                  image_guidance_scale:float|None=None, lora_rank:int|None=None, lora_alpha:float|None=None,
-                 train_text_encoder:bool=False, use_same_noise:bool=False, untrained_eta:float|None=None):
+                 train_text_encoder:bool=False, use_same_noise:bool=False, untrained_eta:float|None=None,
+                 text_encoder_lr:float|None=None):
         if inner_steps < 1 or prompts_per_step < 1: raise ConfigError("inner_steps and prompts_per_step must be >= 1.")
         if not eta > 0: raise ConfigError(f"eta={eta}: GRPO needs stochastic steps (eta > 0; 1.0 is DDPM's variance).")
         lat = model.autoencoder.latent_channels
@@ -208,6 +209,9 @@ class DiffusionGRPO(RunPolicy):
             # a masked text model (T5): CPU SDPA takes another kernel with gradients than without for its additive mask and
             # bias, ~1e-6 apart, and the ratio before the first update must be exactly 1: its plain attention is the same both ways
             model.text_encoder.model.set_attn_implementation('eager')
+        if text_encoder_lr is not None and not (self.train_text and text_encoder_lr > 0):
+            raise ConfigError(f"text_encoder_lr={text_encoder_lr}: the text encoder's own learning rate, > 0, for a run with train_text_encoder.")
+        self.text_lr = text_encoder_lr
         if self.lora: add_lora(model.unet, lora_rank, lora_alpha)
         # the KL reference: LoRA's base weights (adapters off), else a frozen copy of the starting UNet (and text model)
         frozen = lambda m: copy.deepcopy(m).eval().requires_grad_(False) if self.grpo.kl_coef > 0 and not self.lora else None
@@ -256,6 +260,10 @@ class DiffusionGRPO(RunPolicy):
         self.model.unet.disable_adapters()
         try: return self._logprobs(self.model.unet, batch)[1]
         finally: self.model.unet.enable_adapters()
+
+    def configure_optimizer(self, model:torch.nn.Module, cfg) -> torch.optim.Optimizer:
+        "The loop's hook: one AdamW over the trained weights; with `text_encoder_lr`, the text model's at that rate (the schedule scales both)."
+        return make_optimizer(model, cfg, {'text.': self.text_lr} if self.text_lr is not None else None)
 
     def batches(self, accelerator):
         "One rollout batch per pass, yielded `inner_steps` times."

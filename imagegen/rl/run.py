@@ -52,6 +52,7 @@ class GRPORunConfig(Config):
     lora_alpha: float|None = None             # diffusion: LoRA's alpha (None: the rank)
     train_text_encoder: bool = False          # diffusion: fine-tune the text encoder with the UNet (full fine-tuning; diffusers' flag)
     use_same_noise: bool = False              # diffusion: one starting noise per prompt, shared by its group (DanceGRPO's option)
+    text_encoder_lr: float|None = None        # diffusion, with train_text_encoder: the text model's own learning rate (None: the run's; diffusers' flag)
     untrained_eta: float|None = None          # diffusion, with train_steps: DDIM's noise scale in the steps left untrained (None: eta; 0: deterministic, MixGRPO's ODE steps)
     stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
     decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
@@ -129,8 +130,8 @@ class GRPORunConfig(Config):
         diffusion = isinstance(model, LatentDiffusion)
         editor = model.unet.config.in_channels > model.autoencoder.latent_channels if diffusion else bool(model.gpt.config.source_tokens)
         if not diffusion and (self.lora_rank is not None or self.train_steps is not None or self.train_text_encoder or self.use_same_noise
-                              or self.untrained_eta is not None):
-            raise ConfigError("lora_rank, train_steps, train_text_encoder, use_same_noise and untrained_eta are options of latent diffusion runs; a latent "
+                              or self.untrained_eta is not None or self.text_encoder_lr is not None):
+            raise ConfigError("lora_rank, train_steps, train_text_encoder, text_encoder_lr, use_same_noise and untrained_eta are options of latent diffusion runs; a latent "
                               "GPT trains all its tokens, fully, on a frozen text encoder, and draws no starting noise.")
         if diffusion and (self.temperature is not None or self.ratio_on != 'guided'):
             raise ConfigError("temperature and ratio_on are options of latent GPT runs; a diffusion step is scored under the guided mixture that drew it.")
@@ -141,13 +142,14 @@ class GRPORunConfig(Config):
         if diffusion:
             return DiffusionGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.num_inference_steps, self.eta,
                                  self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha,
-                                 self.train_text_encoder, self.use_same_noise, self.untrained_eta)
+                                 self.train_text_encoder, self.use_same_noise, self.untrained_eta, self.text_encoder_lr)
         return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
                        self.ratio_on, self.inner_steps, self.image_guidance_scale)
 
     def _build_hybrid(self, pipe:HybridPipeline, grpo:GRPOConfig|None) -> HybridGRPO:
-        if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder or self.use_same_noise or self.untrained_eta is not None:
-            raise ConfigError("lora_rank, image_guidance_scale, train_text_encoder, use_same_noise and untrained_eta: a hybrid pipeline run trains its "
+        if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder or self.use_same_noise or self.untrained_eta is not None \
+                or self.text_encoder_lr is not None:
+            raise ConfigError("lora_rank, image_guidance_scale, train_text_encoder, text_encoder_lr, use_same_noise and untrained_eta: a hybrid pipeline run trains its "
                               "stages fully, from prompts alone, on frozen text encoders; its decoder starts from the GPT's layouts.")
         prompts = self.prompt_source(False)
         ar_reward = self._reward(self.reward_weights)
