@@ -42,6 +42,9 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     import dataclasses
     from imagegen.grids import save_grid
     from imagegen.training.loop import make_accelerator, train
+    if bool(tcfg.eval_steps) != bool(cfg.num_validation_prompts):
+        raise ConfigError("--eval_steps and --num_validation_prompts go together: the evaluations score prompts held out of the training stream "
+                          "(e.g. --eval_steps 25 --num_validation_prompts 64 --metric_for_best_model reward_mean).")
     acc = make_accelerator(tcfg)
     task = cfg.build(gcfg).to(acc.device)
     family = 'gpt' if isinstance(task, GPTGRPO) else 'hybrid' if isinstance(task, HybridGRPO) else 'ldm'
@@ -70,6 +73,10 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
         logs = summary.get('last_logs') or {}
         shown = {k: round(float(v), 4) for k, v in logs.items() if 'reward/' in k or k.rsplit('/', 1)[-1] in ('zero_spread_groups', 'clip_frac', 'kl_ref')}
         print(f"last logged step: {shown}\ngrids: {before} (before), {out/'before_after.png'} ({', '.join(labels)}, top to bottom)")
+        if summary.get('best'):
+            b = summary['best']
+            print(f"best validation {b['metric']}: {b['value']:.4f} at step {b['step']}, in {out/'best_model'}"
+                  + (" (stopped early)" if summary.get('early_stopped') else ''))
     return summary
 
 def main(argv:list[str]|None=None) -> dict:

@@ -296,3 +296,10 @@ class DiffusionGRPO(RunPolicy):
         return save_with_lora(self.model, path) if self.lora else self.model.save_pretrained(path)
 
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)
+
+    def _validation_rollout(self, prompts, seed:int) -> tuple[torch.Tensor, dict]:
+        "Images of validation `prompts` (`evaluate`): DDIM's deterministic steps from the noise of `seed`, with the rollouts' steps and guidance."
+        with eval_mode(self.model.text_encoder.model):
+            ro = diffusion_rollouts(self.model, prompts, 1, guidance_scale=self.g, seed=seed, scheduler=self.sched,
+                                    step_eta=[0.0] * len(self.sched.timesteps))
+        return ro['images'], {}

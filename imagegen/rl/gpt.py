@@ -153,3 +153,8 @@ class GPTGRPO(RunPolicy):
     def save_pretrained(self, path): return self.model.save_pretrained(path)
 
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)
+
+    def _validation_rollout(self, prompts, seed:int) -> tuple[torch.Tensor, dict]:
+        "Images and token grids of validation `prompts` (`evaluate`): the rollout sampler (guidance, temperature) from a generator seeded with `seed`."
+        ro = gpt_rollouts(self.model, prompts, 1, self.g, self.t, seed=seed)
+        return ro['images'], {'tokens': ro['tokens']}

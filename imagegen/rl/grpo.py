@@ -9,15 +9,16 @@ import json
 import numpy as np, torch
 from torch import nn
 from accelerate.utils import extract_model_from_parallel
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, UserError
+from fastcore.basics import patch
 from pathlib import Path
 from ..shapes import COLORS, HELD_OUT, RELATIONS, SHAPES, WORDS, color_shape_pairs, prompt, render, sample_scene, text_pairs, text_prompt
 from ..edits import EDIT_KINDS, sample_edit
 
 # %% auto #0
-__all__ = ['GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'Trainables', 'Route', 'parse_pairs',
-           'held_out_for', 'unseen_pairs', 'redraw_until', 'read_prompts', 'scene_pairs', 'ShapesPrompts',
-           'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile']
+__all__ = ['VALIDATION_SEED', 'GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'Trainables', 'Route',
+           'parse_pairs', 'held_out_for', 'unseen_pairs', 'redraw_until', 'read_prompts', 'scene_pairs',
+           'ShapesPrompts', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile', 'hold_out']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -243,3 +244,56 @@ class PromptFile:
         idx = np.random.default_rng(seed).integers(len(self.lines), size=n)
         return [self.lines[i] for i in idx], {}
     def __repr__(self): return f"PromptFile({str(self.path)!r}, {len(self.lines)} prompts)"
+
+# %% ../../nbs/06b_grpo.ipynb #4aeb8ecb
+VALIDATION_SEED = 20_000   # the validation prompts' draw and their samples' noise; rollouts draw from the loop's random state
+
+def hold_out(stream, n:int, seed:int=VALIDATION_SEED) -> tuple[list[str], dict]:
+    "`n` distinct prompts of `stream` with their context (lists, one entry per prompt), taken out of it: its later draws never give one. For `ShapesPrompts` and `PromptFile`."
+    if n < 1: raise ConfigError(f"hold out n={n} validation prompts: give n >= 1.")
+    if isinstance(stream, ShapesPrompts):
+        got, ctx = [], {}
+        for k in range(100):
+            ps, c = stream(n, seed + k)
+            for i, p in enumerate(ps):
+                if p in got or len(got) == n: continue
+                got.append(p)
+                for key, vals in c.items(): ctx.setdefault(key, []).append(vals[i])
+            if len(got) == n: break
+        else: raise ConfigError(f"{stream!r} gave {len(got)} distinct prompts in 100 draws of {n}: hold out fewer validation prompts.")
+        stream.exclude = stream.exclude | set(got)
+        return got, ctx
+    if isinstance(stream, PromptFile):
+        uniq = list(dict.fromkeys(stream.lines))
+        if len(uniq) <= n:
+            raise ConfigError(f"{stream.path} holds {len(uniq)} distinct prompts: holding out {n} for validation leaves none to train on; "
+                              "hold out fewer or add prompts.")
+        got = [uniq[i] for i in sorted(np.random.default_rng(seed).choice(len(uniq), n, replace=False))]
+        stream.lines = [l for l in stream.lines if l not in set(got)]
+        return got, {}
+    raise ConfigError(f"validation prompts are held out of Shapes text-to-image prompts or a prompt file; {stream!r} cannot leave prompts out of its draws.")
+
+@patch
+def hold_out_validation(self:RunPolicy, n:int, seed:int=VALIDATION_SEED, batch_size:int=32):
+    "Take `n` prompts out of the task's prompt stream (`hold_out`) for `evaluate`."
+    if getattr(self, 'editor', False):
+        raise ConfigError("validation prompts: an edit run draws a new source image with every prompt, so a held-out set would need held-out "
+                          "images too; score an edit run with scripts/evaluate.py after it instead.")
+    if not hasattr(self, '_validation_rollout'): raise ConfigError(f"{type(self).__name__} samples no validation images; validation prompts are for latent diffusion and latent GPT runs.")
+    self.validation, self.validation_seed, self.validation_batch = hold_out(self.prompts, n, seed), seed, batch_size
+    return self.validation
+
+@patch
+def evaluate(self:RunPolicy, step:int|None=None) -> dict[str, float]:
+    "The run's reward on its validation prompts, each sampled once from the same seed at every call: 'reward_mean' and 'reward/<name>' per reward term (the loop's `eval_steps` hook)."
+    if getattr(self, 'validation', None) is None:
+        raise UserError(f"{type(self).__name__}.evaluate: no validation prompts; hold some out first (hold_out_validation(n), --num_validation_prompts).")
+    prompts, ctx = self.validation
+    bs, images, extra = self.validation_batch, [], {}
+    with torch.no_grad():
+        for i in range(0, len(prompts), bs):
+            im, ex = self._validation_rollout(prompts[i:i + bs], self.validation_seed + i)
+            images.append(im)
+            for k, v in ex.items(): extra.setdefault(k, []).append(v)
+    total, parts = self.reward.parts(torch.cat(images), prompts, **{k: torch.cat(v) for k, v in extra.items()}, **ctx)
+    return {'reward_mean': total.float().mean().item(), **{f'reward/{k}': v.float().mean().item() for k, v in parts.items()}}

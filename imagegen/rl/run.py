@@ -54,6 +54,7 @@ class GRPORunConfig(Config):
     use_same_noise: bool = False              # diffusion: one starting noise per prompt, shared by its group (DanceGRPO's option)
     text_encoder_lr: float|None = None        # diffusion, with train_text_encoder: the text model's own learning rate (None: the run's; diffusers' flag)
     untrained_eta: float|None = None          # diffusion, with train_steps: DDIM's noise scale in the steps left untrained (None: eta; 0: deterministic, MixGRPO's ODE steps)
+    num_validation_prompts: int = 0           # text-to-image: prompts held out of the stream and scored with the run's reward at every train.eval_steps (0: none)
     stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
     decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
     decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
@@ -73,6 +74,7 @@ class GRPORunConfig(Config):
         if self.prompt_level not in (1, 2): raise ConfigError(f"GRPORunConfig.prompt_level={self.prompt_level}: Shapes scenes have 1 or 2 objects.")
         if self.prompts_per_step < 1 or self.inner_steps < 1: raise ConfigError("GRPORunConfig: prompts_per_step and inner_steps must be >= 1.")
         if not self.eta > 0: raise ConfigError(f"GRPORunConfig.eta={self.eta}: rollouts need stochastic steps (eta > 0).")
+        if self.num_validation_prompts < 0: raise ConfigError(f"GRPORunConfig.num_validation_prompts={self.num_validation_prompts}: must be >= 0.")
         if self.untrained_eta is not None and self.train_steps is None:
             raise ConfigError(f"GRPORunConfig.untrained_eta={self.untrained_eta} sets the noise of the steps left untrained, but train_steps is None "
                               "(every step trains): set train_steps too.")
@@ -140,13 +142,18 @@ class GRPORunConfig(Config):
         _, ctx = prompts(2, seed=0)
         for r, _ in reward.terms: r.check_context(2, ctx)
         if diffusion:
-            return DiffusionGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.num_inference_steps, self.eta,
+            task = DiffusionGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.num_inference_steps, self.eta,
                                  self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha,
                                  self.train_text_encoder, self.use_same_noise, self.untrained_eta, self.text_encoder_lr)
-        return GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
-                       self.ratio_on, self.inner_steps, self.image_guidance_scale)
+        else: task = GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
+                             self.ratio_on, self.inner_steps, self.image_guidance_scale)
+        if self.num_validation_prompts: task.hold_out_validation(self.num_validation_prompts)
+        return task
 
     def _build_hybrid(self, pipe:HybridPipeline, grpo:GRPOConfig|None) -> HybridGRPO:
+        if self.num_validation_prompts:
+            raise ConfigError("num_validation_prompts: a hybrid pipeline run has two stages with rewards of their own and no validation sampler; "
+                              "score it with scripts/evaluate.py after the run.")
         if self.lora_rank is not None or self.image_guidance_scale is not None or self.train_text_encoder or self.use_same_noise or self.untrained_eta is not None \
                 or self.text_encoder_lr is not None:
             raise ConfigError("lora_rank, image_guidance_scale, train_text_encoder, text_encoder_lr, use_same_noise and untrained_eta: a hybrid pipeline run trains its "

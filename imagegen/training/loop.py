@@ -28,8 +28,8 @@ from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX,
 from .tracking import check_tracker, flat_params, run_info, scalars
 
 # %% auto #0
-__all__ = ['MIXED_PRECISION', 'TRACKERS', 'COMPILE_MODES', 'TRAIN_FLAGS', 'TRACKER_FILE', 'INITIAL_MODEL', 'TrainConfig',
-           'TrainTask', 'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer',
+__all__ = ['MIXED_PRECISION', 'TRACKERS', 'COMPILE_MODES', 'TRAIN_FLAGS', 'TRACKER_FILE', 'BEST_MODEL', 'INITIAL_MODEL',
+           'TrainConfig', 'TrainTask', 'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer',
            'make_accelerator', 'TaskStream', 'Trainer', 'check_compiled_gradients', 'mlflow_uri', 'NonFiniteLossError',
            'train', 'OutOfMemory']
 
@@ -67,6 +67,10 @@ class TrainConfig(Config):
     sample_every: int|None = None       # optimizer steps between sample grids (saved and logged); None: never
     n_samples: int = 4                  # images per sample grid (when no validation_prompts are given)
     validation_prompts: list[str]|None = None  # prompts of the sample grids; None: the task's own (held-out Shapes prompts for the Shapes models)
+    eval_steps: int|None = None         # optimizer steps between evaluations (the task's `evaluate`, scores logged as eval/<name>); None: never
+    metric_for_best_model: str|None = None  # an evaluation score, e.g. 'reward_mean': the weights that scored best so far are kept in output_dir/best_model
+    greater_is_better: bool = True      # metric_for_best_model: higher is better (False: lower, e.g. a loss)
+    early_stopping_patience: int|None = None  # stop after this many evaluations in a row without a better metric_for_best_model; None: never
     log_every: int = 10                 # optimizer steps between logged losses
     tracker: str = 'tensorboard'        # 'tensorboard' | 'mlflow' | 'wandb' | 'none'
     experiment: str = 'imagegen'        # MLflow experiment / W&B project
@@ -100,7 +104,7 @@ class TrainConfig(Config):
         if self.max_steps is None and self.epochs is None: bad('max_steps', "set max_steps or epochs.")
         for f in ('grad_accum', 'log_every', 'batch_size', 'n_samples'):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
-        for f in ('max_steps', 'epochs', 'checkpoint_every', 'checkpoints_total_limit', 'sample_every'):
+        for f in ('max_steps', 'epochs', 'checkpoint_every', 'checkpoints_total_limit', 'sample_every', 'eval_steps', 'early_stopping_patience'):
             if getattr(self, f) is not None and getattr(self, f) < 1: bad(f, "must be >= 1 or None.")
         fin = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
         for f in ('lr', 'adam_eps', 'ema_power'):
@@ -112,6 +116,9 @@ class TrainConfig(Config):
         if self.max_grad_norm is not None and not (fin(self.max_grad_norm) and self.max_grad_norm > 0): bad('max_grad_norm', "must be > 0, or None for no clipping.")
         if not str(self.output_dir).strip(): bad('output_dir', "must name a folder.")
         if self.torch_compile_mode not in COMPILE_MODES: bad('torch_compile_mode', f"choose one of {COMPILE_MODES}.")
+        if self.metric_for_best_model is not None and not self.eval_steps: bad('metric_for_best_model', "is scored at evaluations: set eval_steps too.")
+        if self.early_stopping_patience is not None and self.metric_for_best_model is None:
+            bad('early_stopping_patience', "counts evaluations without a better metric_for_best_model: set metric_for_best_model too.")
 
 # %% ../../nbs/02c_loop.ipynb #5b824f77
 TRAIN_FLAGS = [
@@ -221,6 +228,9 @@ class Trainer:
         self.step = self.epoch = self.batch_in_epoch = self.bad_total = self.bad_run = self.bad_samples = self._skipped = 0
         self.epoch_metrics, self.epoch_sums, self.history = [], {}, []
         self.run_name, self._stop_signal, self._stopping, self.ema = cfg.run_name, 0, False, None
+        self.best, self.evals_since_best, self._early_stopped = None, 0, False   # best: {'metric', 'value', 'step'} of metric_for_best_model
+        if cfg.eval_steps and not callable(getattr(task, 'evaluate', None)):
+            raise ConfigError(f"TrainConfig.eval_steps={cfg.eval_steps} but {type(task).__name__} has no evaluate(step): drop eval_steps, or give the task held-out scores.")
         if cfg.validation_prompts:
             if not hasattr(task, 'sample_prompts'): raise ConfigError(f"TrainConfig.validation_prompts given but {type(task).__name__} samples without prompts.")
             task.sample_prompts = list(cfg.validation_prompts)
@@ -302,7 +312,7 @@ def _trainer_state(self:Trainer) -> dict:
     return {'step': self.step, 'epoch': self.epoch, 'global_batches_in_epoch': self.batch_in_epoch * self.acc.num_processes,
             'num_processes': self.acc.num_processes, 'bad_steps_total': self.bad_total, 'bad_samples': self.bad_samples, 'run_name': self.run_name,
             'epoch_sums': self.epoch_sums, 'epoch_metrics': self.epoch_metrics, 'max_steps': self.max_steps,
-            'lr_scheduler': self.sched.state_dict(),
+            'lr_scheduler': self.sched.state_dict(), 'best': self.best, 'evals_since_best': self.evals_since_best,
             'ema': {k: v for k, v in self.ema.state_dict().items() if k != 'shadow_params'} if self.ema else None}
 
 @patch
@@ -340,6 +350,15 @@ def _resume(self:Trainer) -> Path|None:
     gb, n = st['global_batches_in_epoch'], self.acc.num_processes
     if gb % n: warnings.warn(f"{ckpt}: {gb} batches of this epoch were done by {st['num_processes']} ranks; with {n} ranks {gb % n} are repeated.")
     self.batch_in_epoch = gb // n
+    self.best, self.evals_since_best = st.get('best'), st.get('evals_since_best', 0)
+    if self.best is not None and self.best.get('metric') != self.cfg.metric_for_best_model:
+        self.best, self.evals_since_best = None, 0   # another score (or none) decides now: the next evaluation sets the best
+    pat = self.cfg.early_stopping_patience
+    if pat and self.evals_since_best >= pat:
+        self._early_stopped = True
+        if self.acc.is_main_process:
+            print(f"{ckpt} stopped early ({self.evals_since_best} evaluations without a better {self.best['metric']} than step "
+                  f"{self.best['step']}'s); raise early_stopping_patience to train on.", file=sys.stderr, flush=True)
     self._apply_changes(ckpt, st)
     return ckpt
 
@@ -554,7 +573,7 @@ def _run_epoch(self:Trainer, bar):
                 logs = self._update(sums, n_micro, keys)
                 sums, n_micro = None, 0
                 self._after_update(logs, bar)
-        if acc.sync_gradients and (self.step >= self.max_steps or self._stopping): return
+        if acc.sync_gradients and (self.step >= self.max_steps or self._stopping or self._early_stopped): return
     if not seen and not self.batch_in_epoch:   # an empty pass would loop forever without a step
         raise ConfigError(f"the data gave no batch in epoch {self.epoch}: fewer samples than one batch per rank "
                           f"(batch_size={cfg.batch_size}, {acc.num_processes} rank(s), incomplete batches dropped). "
@@ -587,6 +606,7 @@ def _after_update(self:Trainer, logs:dict, bar):
         if cfg.tracker != 'none': acc.log(scalars(logs), step=step)
         bar.set_postfix(loss=f"{logs['loss']:.4g}", img_s=f"{ips:.1f}", refresh=False)
     bar.update(1)
+    if cfg.eval_steps and step % cfg.eval_steps == 0: self._evaluate(bar)   # before the checkpoint, which records the best so far
     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0: self._checkpoint()
     if cfg.sample_every and step % cfg.sample_every == 0: self._sample()
 
@@ -639,6 +659,70 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
         if getattr(self, 'info', None): write_atomic(path/'run_info.json', json.dumps(self.info | {'step': self.step}, indent=1))  # what made these weights
     self.acc.wait_for_everyone()
     return path
+
+# %% ../../nbs/02c_loop.ipynb #2cd28d9b
+BEST_MODEL = 'best_model'
+
+@patch
+def _evaluate(self:Trainer, bar=None) -> dict:
+    "Score the current (EMA) weights with `task.evaluate(step)` on the main process; log the scores, keep the best model, count towards early stopping."
+    from accelerate.utils import broadcast_object_list
+    cfg, acc, scores = self.cfg, self.acc, None
+    if acc.is_main_process:
+        model = self.acc.unwrap_model(self.model)
+        was_training = model.training
+        if self.ema: self.ema.store(model.parameters()); self.ema.copy_to(model.parameters())
+        try:
+            model.eval()
+            with torch.no_grad(): scores = {str(k): float(v) for k, v in self.task.evaluate(self.step).items()}
+        finally:
+            if self.ema: self.ema.restore(model.parameters())
+            model.train(was_training)
+    if acc.num_processes > 1: scores = broadcast_object_list([scores])[0]
+    if cfg.tracker != 'none': acc.log({f'eval/{k}': v for k, v in scores.items()}, step=self.step)
+    m = cfg.metric_for_best_model
+    if m is None: return scores
+    if m not in scores: raise ConfigError(f"metric_for_best_model={m!r} is not among the scores {type(self.task).__name__}.evaluate returns: {sorted(scores)}.")
+    v = scores[m]
+    better = math.isfinite(v) and (self.best is None or (v > self.best['value'] if cfg.greater_is_better else v < self.best['value']))
+    if better:
+        self.best, self.evals_since_best = {'metric': m, 'value': v, 'step': self.step}, 0
+        self._save_best()
+    else: self.evals_since_best += 1
+    if acc.is_main_process:
+        since = f"best {self.best['value']:.4g} at step {self.best['step']}" if self.best else 'no finite score yet'
+        (bar.write if bar is not None else print)(f"step {self.step}: eval {m} {v:.4g} ({'new best' if better else since})")
+    pat = cfg.early_stopping_patience
+    if pat and self.evals_since_best >= pat:
+        self._early_stopped = True
+        if acc.is_main_process:
+            where = f"step {self.best['step']}'s {self.best['value']:.4g}" if self.best else 'no finite score'
+            print(f"\nstopping early at step {self.step}: {pat} evaluations without a better {m} than {where}; "
+                  f"the best weights are in {self.out/BEST_MODEL}.", file=sys.stderr, flush=True)
+    return scores
+
+@patch
+def _save_best(self:Trainer) -> Path:
+    "Write the current weights to `best_model/`: a new folder beside the old one, swapped in by renames (the old best survives a crash)."
+    final, tmp, old = self.out/BEST_MODEL, self.out/f"{TMP_PREFIX}{BEST_MODEL}", self.out/f"{TMP_PREFIX}{BEST_MODEL}.old"
+    if self.acc.is_main_process and tmp.exists(): shutil.rmtree(tmp)
+    self.save_model(tmp)
+    if self.acc.is_main_process:
+        write_atomic(tmp/'run_info.json', json.dumps(getattr(self, 'info', {}) | {'step': self.step, 'best': self.best}, indent=1))
+        if old.exists(): shutil.rmtree(old)
+        if final.exists(): os.rename(final, old)
+        os.rename(tmp, final)
+        if old.exists(): shutil.rmtree(old)
+    self.acc.wait_for_everyone()
+    return final
+
+@patch
+def _restore_best_model(self:Trainer):
+    "Main process, at start: a crash between `_save_best`'s two renames left only the old best; put it back."
+    final, old = self.out/BEST_MODEL, self.out/f"{TMP_PREFIX}{BEST_MODEL}.old"
+    if old.exists():
+        if final.exists(): shutil.rmtree(old)
+        else: os.rename(old, final)
 
 # %% ../../nbs/02c_loop.ipynb #fa0850af
 INITIAL_MODEL = 'initial_model'
@@ -696,7 +780,7 @@ def _disk_problem(self:Trainer) -> tuple|None:
 @patch
 def _fit(self:Trainer) -> dict:
     acc, cfg = self.acc, self.cfg
-    if acc.is_main_process: clean_partial_checkpoints(self.ckpt_dir)
+    if acc.is_main_process: clean_partial_checkpoints(self.ckpt_dir); self._restore_best_model()
     acc.wait_for_everyone()
     resumed = self._resume()
     if resumed is not None and acc.is_main_process:
@@ -708,7 +792,7 @@ def _fit(self:Trainer) -> dict:
     bar = tqdm(total=self.max_steps, initial=self.step, disable=not acc.is_main_process, desc=self.run_name, dynamic_ncols=True)
     try:
         self.model.train()
-        while self.step < self.max_steps and not self._stopping: self._run_epoch(bar)
+        while self.step < self.max_steps and not self._stopping and not self._early_stopped: self._run_epoch(bar)
         if self._stopping:
             e = Preempted(self.step, self._checkpoint(), self._stop_signal)
             if acc.is_main_process: print(f"\n{e}; exiting with code {EXIT_PREEMPTED} (resume with resume='latest')", file=sys.stderr, flush=True)
@@ -728,7 +812,7 @@ def _fit(self:Trainer) -> dict:
     return {'status': 'finished', 'step': self.step, 'epoch': self.epoch, 'resumed_from': str(resumed) if resumed else None,
             'losses': self.history, 'last_logs': self.last_logs, 'epoch_metrics': self.epoch_metrics, 'bad_steps': self.bad_total, 'bad_samples': self.bad_samples,
             'checkpoint': str(self.last_ckpt), 'model_dir': str(model_dir) if model_dir else None, 'run_name': self.run_name,
-            'images_per_s': n / dt if n and dt > 0 else float('nan')}
+            'images_per_s': n / dt if n and dt > 0 else float('nan'), 'best': self.best, 'early_stopped': self._early_stopped}
 
 # %% ../../nbs/02c_loop.ipynb #79d3ff5e
 def train(task, dataloader:Iterable|None, cfg:TrainConfig, accelerator:Accelerator|None=None, sections:dict|None=None) -> dict:
