@@ -357,8 +357,9 @@ def _resume(self:Trainer) -> Path|None:
     if pat and self.evals_since_best >= pat:
         self._early_stopped = True
         if self.acc.is_main_process:
-            print(f"{ckpt} stopped early ({self.evals_since_best} evaluations without a better {self.best['metric']} than step "
-                  f"{self.best['step']}'s); raise early_stopping_patience to train on.", file=sys.stderr, flush=True)
+            than = f"step {self.best['step']}'s" if self.best else 'any finite score'
+            print(f"{ckpt} stopped early ({self.evals_since_best} evaluations without a better {self.cfg.metric_for_best_model} than "
+                  f"{than}); raise early_stopping_patience to train on.", file=sys.stderr, flush=True)
     self._apply_changes(ckpt, st)
     return ckpt
 
