@@ -80,12 +80,13 @@ def test_train_grpo_script_two_ranks_and_bad_checkpoint(tmp_path):
     out = tmp_path/'grpo'
     p = launch('scripts/train_grpo.py', '--pretrained_model_name_or_path', tmp_path/'gpt', '--output_dir', out,
                '--max_train_steps', 2, '--report_to', 'none', '--prompts_per_step', 1, '--num_generations', 4, '--n_samples', 3,
-               '--num_validation_prompts', 3, '--eval_steps', 1, '--metric_for_best_model', 'reward_mean')
+               '--num_validation_prompts', 3, '--eval_steps', 1, '--eval_on_start', 'true', '--metric_for_best_model', 'reward_mean')
     info = json.loads((out/'model'/'run_info.json').read_text())
     assert info['step'] == 2 and info['config']['grpo']['group_size'] == 4 and info['config']['model']['reward'] is None
     # evaluated on the main rank, the scores shared: one best_model, recorded with its step and score, loadable
     best = json.loads((out/'best_model'/'run_info.json').read_text())['best']
-    assert best['metric'] == 'reward_mean' and best['step'] in (1, 2), best
+    assert best['metric'] == 'reward_mean' and best['step'] in (0, 1, 2), best
+    assert 'step 0: eval reward_mean' in p.stdout + p.stderr, p.stdout[-2000:]   # --eval_on_start: the starting model scored too
     assert f"best validation reward_mean: {best['value']:.4f} at step {best['step']}" in p.stdout, p.stdout[-2000:]
     assert sorted(q.name for q in out.iterdir() if 'best' in q.name) == ['best_model']
     TextToImageGPT.from_pretrained(out/'best_model')

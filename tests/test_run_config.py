@@ -101,8 +101,8 @@ def test_example_configs_resolve(path):
             'test', 2, ['left of', 'right of'], {'oracle': 1.0, 'relation': 1.0}, 'runs/main/samples-level2/samples.jsonl')
         assert (m.num_inference_steps, m.train_steps, m.untrained_eta, m.train_text_encoder, m.guidance_scale, m.prompts_per_step, m.inner_steps) == (
             10, 2, 0.0, True, 4.0, 2, 2)
-        assert (t.max_steps, t.lr, g.group_size, g.kl_coef, m.num_validation_prompts, t.eval_steps, t.metric_for_best_model) == (
-            400, 3e-5, 16, 0.1, 64, 25, 'reward_mean')
+        assert (t.max_steps, t.lr, g.group_size, g.kl_coef, m.num_validation_prompts, t.eval_steps, t.eval_on_start, t.metric_for_best_model) == (
+            500, 3e-5, 16, 0.1, 64, 25, True, 'reward_mean')
     elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe: the text variant's training pairs, Tesseract's reading as reward
         m = run_['model']
         assert (m.prompts, m.prompt_split, m.reward, m.num_inference_steps, m.train_steps) == ('shapes-text', 'train', {'ocr': 1.0}, 10, 5)

@@ -68,6 +68,7 @@ class TrainConfig(Config):
     n_samples: int = 4                  # images per sample grid (when no validation_prompts are given)
     validation_prompts: list[str]|None = None  # prompts of the sample grids; None: the task's own (held-out Shapes prompts for the Shapes models)
     eval_steps: int|None = None         # optimizer steps between evaluations (the task's `evaluate`, scores logged as eval/<name>); None: never
+    eval_on_start: bool = False         # also evaluate the starting weights before the first step (a fresh run, not a resume): the baseline, logged at step 0 and a candidate for best_model
     metric_for_best_model: str|None = None  # an evaluation score, e.g. 'reward_mean': the weights that scored best so far are kept in output_dir/best_model
     greater_is_better: bool = True      # metric_for_best_model: higher is better (False: lower, e.g. a loss)
     early_stopping_patience: int|None = None  # stop after this many evaluations in a row without a better metric_for_best_model; None: never
@@ -117,6 +118,7 @@ class TrainConfig(Config):
         if not str(self.output_dir).strip(): bad('output_dir', "must name a folder.")
         if self.torch_compile_mode not in COMPILE_MODES: bad('torch_compile_mode', f"choose one of {COMPILE_MODES}.")
         if self.metric_for_best_model is not None and not self.eval_steps: bad('metric_for_best_model', "is scored at evaluations: set eval_steps too.")
+        if self.eval_on_start and not self.eval_steps: bad('eval_on_start', "is the first of the evaluations: set eval_steps too.")
         if self.early_stopping_patience is not None and self.metric_for_best_model is None:
             bad('early_stopping_patience', "counts evaluations without a better metric_for_best_model: set metric_for_best_model too.")
 
@@ -793,6 +795,7 @@ def _fit(self:Trainer) -> dict:
     bar = tqdm(total=self.max_steps, initial=self.step, disable=not acc.is_main_process, desc=self.run_name, dynamic_ncols=True)
     try:
         self.model.train()
+        if resumed is None and cfg.eval_on_start: self._evaluate(bar)   # the starting weights' scores (a resume already has them)
         while self.step < self.max_steps and not self._stopping and not self._early_stopped: self._run_epoch(bar)
         if self._stopping:
             e = Preempted(self.step, self._checkpoint(), self._stop_signal)
