@@ -297,9 +297,9 @@ class DiffusionGRPO(RunPolicy):
 
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)
 
-    def _validation_rollout(self, prompts, seed:int) -> tuple[torch.Tensor, dict]:
-        "Images of validation `prompts` (`evaluate`): DDIM's deterministic steps from the noise of `seed`, with the rollouts' steps and guidance."
+    def _validation_rollout(self, prompts, seed:int, sources=None) -> tuple[torch.Tensor, dict]:
+        "Images of validation `prompts` (`evaluate`; an editor's from their `sources`): DDIM's deterministic steps from the noise of `seed`, with the rollouts' steps and guidance."
         with eval_mode(self.model.text_encoder.model):
-            ro = diffusion_rollouts(self.model, prompts, 1, guidance_scale=self.g, seed=seed, scheduler=self.sched,
-                                    step_eta=[0.0] * len(self.sched.timesteps))
+            ro = diffusion_rollouts(self.model, prompts, 1, guidance_scale=self.g, seed=seed, scheduler=self.sched, sources=sources if self.editor else None,
+                                    image_guidance_scale=self.ig, step_eta=[0.0] * len(self.sched.timesteps))
         return ro['images'], {}

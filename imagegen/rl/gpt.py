@@ -154,7 +154,8 @@ class GPTGRPO(RunPolicy):
 
     def sample(self, n:int|None=None, step:int|None=None, **kwargs): return self.model.sample(n, step, **kwargs)
 
-    def _validation_rollout(self, prompts, seed:int) -> tuple[torch.Tensor, dict]:
-        "Images and token grids of validation `prompts` (`evaluate`): the rollout sampler (guidance, temperature) from a generator seeded with `seed`."
-        ro = gpt_rollouts(self.model, prompts, 1, self.g, self.t, seed=seed)
+    def _validation_rollout(self, prompts, seed:int, sources=None) -> tuple[torch.Tensor, dict]:
+        "Images and token grids of validation `prompts` (`evaluate`; an editor's with their `sources`): the rollout sampler (guidance, temperature) from a generator seeded with `seed`."
+        src = self.source_tokens(sources) if self.editor else None
+        ro = gpt_rollouts(self.model, prompts, 1, self.g, self.t, seed=seed, source_ids=src, image_guidance_scale=self.ig)
         return ro['images'], {'tokens': ro['tokens']}

@@ -18,7 +18,7 @@ from ..edits import EDIT_KINDS, sample_edit
 # %% auto #0
 __all__ = ['VALIDATION_SEED', 'GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'Trainables', 'Route',
            'parse_pairs', 'held_out_for', 'unseen_pairs', 'redraw_until', 'read_prompts', 'scene_pairs',
-           'ShapesPrompts', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile', 'hold_out']
+           'ShapesPrompts', 'edit_key', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile', 'hold_out']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -197,18 +197,25 @@ class ShapesPrompts:
         return f"ShapesPrompts(split={self.split!r}, level={self.level}" + ''.join(', ' + e for e in extra) + ")"
 
 # %% ../../nbs/06b_grpo.ipynb #3f3edd6e
+def edit_key(edit) -> str:
+    "What makes two Shapes edits the same task (its kind, source scene and target, not the wording of the instruction): the key of `ShapesEditPrompts.exclude`."
+    d = edit if isinstance(edit, dict) else edit.to_dict()
+    return json.dumps({k: d[k] for k in ('kind', 'source', 'target')}, sort_keys=True)
+
 class ShapesEditPrompts:
-    "`prompts(n, seed)` -> n edit instructions and `{'edits', 'sources', 'targets'}` (Shapes edits of `split` at `resolution`, of `pairs` only when given)."
+    "`prompts(n, seed)` -> n edit instructions and `{'edits', 'sources', 'targets'}` (Shapes edits of `split` at `resolution`, of `pairs` only when given; never one whose `edit_key` is in `exclude`)."
     def __init__(self, split:str='train', pairs=None, resolution:int=32, kinds=EDIT_KINDS):
         if bad := [k for k in kinds if k not in EDIT_KINDS]: raise ConfigError(f"unknown edit kinds {bad}: use some of {list(EDIT_KINDS)}.")
         self.split, self.resolution, self.kinds = split, int(resolution), tuple(kinds)
         self.pairs = None if pairs is None else parse_pairs(pairs, split)
         self.held_out, self.unseen = held_out_for(self.pairs, split), unseen_pairs(self.pairs, split)
+        self.exclude = set()
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         rng = np.random.default_rng(seed)
         kw = {} if self.held_out is None else {'held_out': self.held_out}
+        ok = (lambda e: edit_key(e) not in self.exclude) if self.exclude else None   # no filter: the draws of a run without a hold-out
         edits = [redraw_until(rng, lambda r: sample_edit(r, self.split, self.kinds[int(r.integers(len(self.kinds)))], **kw),
-                              lambda e: scene_pairs(e.source) | scene_pairs(e.target), self.unseen) for _ in range(n)]
+                              lambda e: scene_pairs(e.source) | scene_pairs(e.target), self.unseen, ok=ok) for _ in range(n)]
         texts = [e.instructions[int(rng.integers(len(e.instructions)))] for e in edits]
         return texts, {'edits': [e.to_dict() for e in edits], 'sources': [render(e.source, self.resolution) for e in edits],
                        'targets': [render(e.target, self.resolution) for e in edits]}
@@ -249,19 +256,20 @@ class PromptFile:
 VALIDATION_SEED = 20_000   # the validation prompts' draw and their samples' noise; rollouts draw from the loop's random state
 
 def hold_out(stream, n:int, seed:int=VALIDATION_SEED) -> tuple[list[str], dict]:
-    "`n` distinct prompts of `stream` with their context (lists, one entry per prompt), taken out of it: its later draws never give one. For `ShapesPrompts` and `PromptFile`."
+    "`n` distinct prompts of `stream` with their context (lists, one entry per prompt), taken out of it: its later draws never give one. For `ShapesPrompts`, `ShapesEditPrompts` (distinct edits, with their source and target images) and `PromptFile`."
     if n < 1: raise ConfigError(f"hold out n={n} validation prompts: give n >= 1.")
-    if isinstance(stream, ShapesPrompts):
-        got, ctx = [], {}
+    if isinstance(stream, (ShapesPrompts, ShapesEditPrompts)):
+        key = (lambda p, c, i: p) if isinstance(stream, ShapesPrompts) else (lambda p, c, i: edit_key(c['edits'][i]))
+        got, keys, ctx = [], [], {}
         for k in range(100):
             ps, c = stream(n, seed + k)
             for i, p in enumerate(ps):
-                if p in got or len(got) == n: continue
-                got.append(p)
-                for key, vals in c.items(): ctx.setdefault(key, []).append(vals[i])
+                if (kk := key(p, c, i)) in keys or len(got) == n: continue
+                got.append(p); keys.append(kk)
+                for name, vals in c.items(): ctx.setdefault(name, []).append(vals[i])
             if len(got) == n: break
         else: raise ConfigError(f"{stream!r} gave {len(got)} distinct prompts in 100 draws of {n}: hold out fewer validation prompts.")
-        stream.exclude = stream.exclude | set(got)
+        stream.exclude = stream.exclude | set(keys)
         return got, ctx
     if isinstance(stream, PromptFile):
         uniq = list(dict.fromkeys(stream.lines))
@@ -271,14 +279,11 @@ def hold_out(stream, n:int, seed:int=VALIDATION_SEED) -> tuple[list[str], dict]:
         got = [uniq[i] for i in sorted(np.random.default_rng(seed).choice(len(uniq), n, replace=False))]
         stream.lines = [l for l in stream.lines if l not in set(got)]
         return got, {}
-    raise ConfigError(f"validation prompts are held out of Shapes text-to-image prompts or a prompt file; {stream!r} cannot leave prompts out of its draws.")
+    raise ConfigError(f"validation prompts are held out of Shapes prompts, Shapes edits or a prompt file; {stream!r} cannot leave prompts out of its draws.")
 
 @patch
 def hold_out_validation(self:RunPolicy, n:int, seed:int=VALIDATION_SEED, batch_size:int=32):
-    "Take `n` prompts out of the task's prompt stream (`hold_out`) for `evaluate`."
-    if getattr(self, 'editor', False):
-        raise ConfigError("validation prompts: an edit run draws a new source image with every prompt, so a held-out set would need held-out "
-                          "images too; score an edit run with scripts/evaluate.py after it instead.")
+    "Take `n` prompts (an editor's: edits, with their source images) out of the task's prompt stream (`hold_out`) for `evaluate`."
     if not hasattr(self, '_validation_rollout'): raise ConfigError(f"{type(self).__name__} samples no validation images; validation prompts are for latent diffusion and latent GPT runs.")
     self.validation, self.validation_seed, self.validation_batch = hold_out(self.prompts, n, seed), seed, batch_size
     return self.validation
@@ -289,10 +294,11 @@ def evaluate(self:RunPolicy, step:int|None=None) -> dict[str, float]:
     if getattr(self, 'validation', None) is None:
         raise UserError(f"{type(self).__name__}.evaluate: no validation prompts; hold some out first (hold_out_validation(n), --num_validation_prompts).")
     prompts, ctx = self.validation
+    sources, ctx = ctx.get('sources'), {k: v for k, v in ctx.items() if k != 'sources'}   # an editor's inputs; the rest is the rewards'
     bs, images, extra = self.validation_batch, [], {}
     with torch.no_grad():
         for i in range(0, len(prompts), bs):
-            im, ex = self._validation_rollout(prompts[i:i + bs], self.validation_seed + i)
+            im, ex = self._validation_rollout(prompts[i:i + bs], self.validation_seed + i, None if sources is None else sources[i:i + bs])
             images.append(im)
             for k, v in ex.items(): extra.setdefault(k, []).append(v)
     total, parts = self.reward.parts(torch.cat(images), prompts, **{k: torch.cat(v) for k, v in extra.items()}, **ctx)

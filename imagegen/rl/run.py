@@ -54,7 +54,7 @@ class GRPORunConfig(Config):
     use_same_noise: bool = False              # diffusion: one starting noise per prompt, shared by its group (DanceGRPO's option)
     text_encoder_lr: float|None = None        # diffusion, with train_text_encoder: the text model's own learning rate (None: the run's; diffusers' flag)
     untrained_eta: float|None = None          # diffusion, with train_steps: DDIM's noise scale in the steps left untrained (None: eta; 0: deterministic, MixGRPO's ODE steps)
-    num_validation_prompts: int = 0           # text-to-image: prompts held out of the stream and scored with the run's reward at every train.eval_steps (0: none)
+    num_validation_prompts: int = 0           # prompts (an editor's: edits with their source images) held out of the stream and scored with the run's reward at every train.eval_steps (0: none)
     stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
     decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
     decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
