@@ -12,7 +12,7 @@ import yaml
 
 # %% auto #0
 __all__ = ['IGNORED_SECTIONS', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run', 'run_yaml', 'Flag',
-           'run_parser', 'parse_run', 'run_cli', 'run_script']
+           'run_parser', 'parse_run', 'run_cli', 'run_script', 'model_record', 'sampling_settings']
 
 # %% ../nbs/00b_config.ipynb #61751582
 class UserError(Exception):
@@ -274,3 +274,15 @@ def run_script(func, argv:list[str]|None=None, prog:str|None=None):
     parser.allow_abbrev = False
     params = inspect.signature(func).parameters   # anno_parser adds --pdb and --xtra, which `func` does not take
     return run_cli(lambda a: func(**{k: v for k, v in vars(parser.parse_args(a)).items() if k in params}), argv, prog)
+
+# %% ../nbs/00b_config.ipynb #ecd73640
+def model_record(model, **fields) -> dict:
+    "The head of a saved folder's record file: the class that loads it (`_class_name`, as diffusers' `model_index.json`), the package version, then `fields`."
+    import imagegen
+    return {'_class_name': type(model).__name__, '_imagegen_version': imagegen.__version__, **fields}
+
+def sampling_settings(defaults:dict, **given) -> dict:
+    "`defaults` (a model's saved sampling settings) with every argument in `given` that is not None in its place; a name `defaults` lacks is refused."
+    unknown = sorted(set(given) - set(defaults))
+    if unknown: raise ConfigError(f"sampling settings {unknown}: this model's are {sorted(defaults)}.")
+    return {**defaults, **{k: v for k, v in given.items() if v is not None}}

@@ -461,22 +461,6 @@ class EditConfig(Config):
         if self.token_noise is not None and not 0 <= self.token_noise < 1:
             raise ConfigError(f"EditConfig.token_noise={self.token_noise}: must be in [0, 1) (None: the checkpoint's).")
 
-    @property
-    def family(self) -> str:
-        "'gpt' for a latent GPT folder, else 'ldm' (a diffusers folder or Hub id)."
-        return 'gpt' if self.pretrained_model_name_or_path and (Path(self.pretrained_model_name_or_path)/'imagegen_gpt.json').exists() else 'ldm'
-
-    def build(self):
-        "The editor: `pretrained_model_name_or_path` loaded by its family and made an editor (if it is not one already)."
-        p = self.pretrained_model_name_or_path
-        if not p: raise ConfigError("EditConfig.pretrained_model_name_or_path is not set: an editor starts from a text-to-image model "
-                                    "(the model/ folder of a train_ldm.py or train_gpt.py run) or an editor; pass --pretrained_model_name_or_path.")
-        if looks_like_path(p) and not Path(p).exists(): raise FileNotFoundError(f"--pretrained_model_name_or_path {p} does not exist.")
-        if self.family == 'gpt':
-            from imagegen.ar.edit import GPTEditor
-            return GPTEditor.from_edit_config(self)
-        from imagegen.diffusion.edit import LatentEditor
-        return LatentEditor.from_edit_config(self)
 
 # %% ../nbs/01c_edits.ipynb #62f1db36
 def make_edit_optimizer(editor, model:torch.nn.Module, cfg, source_params:tuple[str, ...]) -> torch.optim.Optimizer:

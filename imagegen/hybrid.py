@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 import torch
 from .ar.task import GPT_FILE, TextToImageGPT
-from .diffusion.upsampler import GlideUpsampler, UPSAMPLER_SAMPLER, UPSAMPLER_STEPS
+from .diffusion.upsampler import GlideUpsampler
+from .config import model_record
 from .grids import to_pil
 
 # %% auto #0
@@ -43,17 +44,19 @@ class HybridPipeline:
     def __repr__(self): return f"HybridPipeline(ar={self.low_res} px latent GPT, decoder={self.low_res}->{self.resolution} px GLIDE upsampler)"
 
 # %% ../nbs/05d_hybrid.ipynb #a0c1d011
-def _generate(self:HybridPipeline, prompts:list[str]|None=None, *, seed:int=0, guidance_scale:float|None=None,
-              temperature:float|None=None, top_k:int|None=None, top_p:float|None=None, decoder_steps:int=UPSAMPLER_STEPS,
-              decoder_guidance:float=1.0, decoder_sampler:str=UPSAMPLER_SAMPLER, noise_level:int|None=None,
-              return_low:bool=False) -> torch.Tensor|tuple[torch.Tensor, torch.Tensor]:
-    "High-resolution images `(B, 3, H, W)` in [-1, 1] for `prompts` (default: the sample prompts); with `return_low`, `(low, high)`."
+def _generate(self:HybridPipeline, prompts:list[str]|None=None, *, guidance_scale:float|None=None, num_inference_steps:int|None=None,
+              generator:torch.Generator|list|None=None, seed:int=0, temperature:float|None=None, top_k:int|None=None,
+              top_p:float|None=None, decoder_steps:int|None=None, decoder_guidance:float|None=None, decoder_sampler:str|None=None,
+              noise_level:int|None=None, return_low:bool=False) -> torch.Tensor|tuple[torch.Tensor, torch.Tensor]:
+    "High-resolution images `(B, 3, H, W)` in [-1, 1] for `prompts` (default: the sample prompts); with `return_low`, `(low, high)`. `guidance_scale` and the sampling settings go to the GPT, `num_inference_steps` (or `decoder_steps`) and the `decoder_*` ones to the decoder; unset: each stage's own. `generator` (one, or one per image) draws both stages in turn; without it, `seed` the GPT and `seed + 1` the decoder."
+    if num_inference_steps is not None and decoder_steps is not None: raise ValueError("num_inference_steps and decoder_steps are the decoder's steps: give one.")
     prompts = list(self.sample_prompts if prompts is None else prompts)
     if not prompts: raise ValueError("no prompts: pass prompts, or build the pipeline with sample_prompts.")
     low = self.ar.generate(prompts, guidance_scale=guidance_scale, temperature=temperature, top_k=top_k, top_p=top_p,
-                           generator=torch.Generator(self.ar.device).manual_seed(seed))
-    high = self.decoder.generate(prompts, low, num_inference_steps=decoder_steps, guidance_scale=decoder_guidance, sampler=decoder_sampler,
-                                 noise_level=noise_level, generator=torch.Generator().manual_seed(seed + 1))
+                           generator=generator if generator is not None else torch.Generator(self.ar.device).manual_seed(seed))
+    high = self.decoder.generate(prompts, low, num_inference_steps=decoder_steps if num_inference_steps is None else num_inference_steps,
+                                 guidance_scale=decoder_guidance, sampler=decoder_sampler, noise_level=noise_level,
+                                 generator=generator if generator is not None else torch.Generator().manual_seed(seed + 1))
     return (low, high) if return_low else high
 
 def _sample(self:HybridPipeline, n:int|None=None, step:int|None=None, **kwargs) -> tuple[list, list[str]]:
@@ -68,7 +71,7 @@ def _save_pretrained(self:HybridPipeline, save_directory:str|Path):
     "Write `ar/` (the latent GPT), `decoder/` (the upsampler) and `imagegen_hybrid.json` under `save_directory`."
     d = Path(save_directory); d.mkdir(parents=True, exist_ok=True)
     self.ar.save_pretrained(d/'ar'); self.decoder.save_pretrained(d/'decoder')
-    (d/HYBRID_FILE).write_text(json.dumps(dict(family='hybrid', ar='ar', decoder='decoder', low_res=self.low_res,
+    (d/HYBRID_FILE).write_text(json.dumps(model_record(self, family='hybrid', ar='ar', decoder='decoder', low_res=self.low_res,
                                                resolution=self.resolution, sample_prompts=self.sample_prompts), indent=2))
 
 def is_hybrid_folder(path:str|Path) -> bool:

@@ -15,11 +15,12 @@ from accelerate import PartialState
 import torch
 from transformers import LogitsProcessor
 from .ar.edit import GPTEditor
-from .ar.task import GPT_FILE, TextToImageGPT
+from .ar.task import TextToImageGPT
 from .data import open_image, to_rgb
-from .diffusion.edit import LatentEditor, is_edit_folder
-from .diffusion.glide import GLIDE_FILE, GlideDiffusion
+from .diffusion.edit import LatentEditor
+from .diffusion.glide import GlideDiffusion
 from .diffusion.ldm import LatentDiffusion
+from .models import FAMILIES, load_model
 from .grids import make_grid, save_grid, to_pil
 from .diffusion.sampling import SAMPLERS, make_generators, make_scheduler, sample
 from .shapes import (COLOR_WORDS, POSITION_WORDS, RELATION_WORDS, SHAPE_WORDS, SIZE_WORDS, Scene, ShapeObject,
@@ -141,24 +142,17 @@ class EditGenerator:
         return to_pil(x, value_range=(-1, 1))
 
 # %% ../nbs/07b_interactive.ipynb #28c6acfe
-GENERATOR_ADAPTERS:dict[type, Callable] = {LatentEditor: EditGenerator, GPTEditor: EditGenerator,       # editors first: they are
-                                          LatentDiffusion: DiffusionGenerator, GlideDiffusion: DiffusionGenerator,   # subclasses of
-                                          TextToImageGPT: GPTGenerator}   # model class -> adapter(model, device)  # text-to-image models
+GENERATOR_ADAPTERS:dict[str, Callable] = {'ldm': DiffusionGenerator, 'glide': DiffusionGenerator, 'gpt': GPTGenerator,   # family -> adapter(model, device)
+                                         'ldm-edit': EditGenerator, 'gpt-edit': EditGenerator}
 
 def as_generator(model, device=None) -> ImageGenerator:
     "An `ImageGenerator` from a model folder (a latent GPT's, a GLIDE base model's, or `LatentDiffusion.from_pretrained`), a model with an adapter, or a generator."
-    if isinstance(model, (str, Path)):
-        p = Path(model)
-        gpt_edit = (p/GPT_FILE).exists() and json.loads((p/GPT_FILE).read_text()).get('task') == 'edit'
-        load = (GPTEditor.from_pretrained if gpt_edit else TextToImageGPT.from_pretrained if (p/GPT_FILE).exists() else
-                GlideDiffusion.from_pretrained if (p/GLIDE_FILE).exists() else
-                LatentEditor.from_pretrained if is_edit_folder(p) else LatentDiffusion.from_pretrained)
-        model, device = load(model), device or PartialState().device
-    for cls, adapter in GENERATOR_ADAPTERS.items():
-        if isinstance(model, cls): return adapter(model, device)
-    if callable(model): return model
-    raise TypeError(f"Cannot generate with a {type(model).__name__}: pass a model folder, a model of one of "
-                    f"{[c.__name__ for c in GENERATOR_ADAPTERS]}, or a callable generator(request, callback) -> list of PIL images.")
+    if isinstance(model, (str, Path)): model, device = load_model(model), device or PartialState().device
+    family = FAMILIES.get(type(model).__name__)
+    if family in GENERATOR_ADAPTERS: return GENERATOR_ADAPTERS[family](model, device)
+    if callable(model) and family is None: return model
+    raise TypeError(f"Cannot generate with a {type(model).__name__}: pass a model folder, a model of a family in GENERATOR_ADAPTERS "
+                    f"({', '.join(GENERATOR_ADAPTERS)}), or a callable generator(request, callback) -> list of PIL images.")
 
 # %% ../nbs/07b_interactive.ipynb #1b224896
 _FILLER = {'a', 'an', 'the', 'there', 'is', 'picture', 'of', 'two', 'shapes', 'and'}

@@ -5,12 +5,16 @@ import argparse, importlib, json, os, shutil
 from pathlib import Path
 from imagegen.config import run_cli
 
+def class_by_name(name:str):
+    "The class named `module.QualName`."
+    mod, _, cls = name.rpartition('.')
+    return getattr(importlib.import_module(mod), cls)
+
 def task_class(info:dict):
     "The task class a run recorded in `run_info.json` (`module.QualName`)."
     name = info.get('task')
     if not name: raise ValueError("run_info.json names no task class: the run predates export support; train it again or load its model/ folder.")
-    mod, _, cls = name.rpartition('.')
-    return getattr(importlib.import_module(mod), cls)
+    return class_by_name(name)
 
 def export_checkpoint(run:str|Path, output_dir:str|Path, step:int|str|None='latest', ema:str|bool='auto'):
     "Write checkpoint `step` of `run` (EMA weights with `ema` True, raw with False, 'auto': EMA when the run kept one) as a model folder `output_dir`."
@@ -26,7 +30,8 @@ def export_checkpoint(run:str|Path, output_dir:str|Path, step:int|str|None='late
     check_checkpoint(ckpt)   # every file read safely before anything is loaded
     use_ema = (ema_tensors(ckpt) is not None) if ema == "auto" else bool(ema)
     cls = task_class(info)
-    task = cls.from_run(initial, info) if hasattr(cls, 'from_run') else cls.from_pretrained(initial)   # from_run: GRPO runs (their LoRA, their stage)
+    if hasattr(cls, 'policy_class'): cls = class_by_name(cls.policy_class)   # GRPO runs: their policy class rebuilds them (their LoRA, their stage)
+    task = cls.from_run(initial, info) if hasattr(cls, 'from_run') else cls.from_pretrained(initial)
     load_trained_weights(task.trainable, ckpt, ema=use_ema)
     tmp = out.with_name(f".tmp-{out.name}")
     if tmp.exists(): shutil.rmtree(tmp)

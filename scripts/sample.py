@@ -7,15 +7,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
-from imagegen.ar.edit import GPTEditor
-from imagegen.hybrid import HybridPipeline, is_hybrid_folder
-from imagegen.ar.task import GPT_FILE, TextToImageGPT
-from imagegen.config import ConfigError, run_script
+from imagegen.config import ConfigError, run_script, sampling_settings
 from imagegen.diagnostics import destroy_process_group_at_exit
-from imagegen.diffusion.glide import GLIDE_FILE, GlideDiffusion
-from imagegen.diffusion.edit import LatentEditor, is_edit_folder
-from imagegen.diffusion.ldm import LatentDiffusion
-from imagegen.diffusion.upsampler import GlideUpsampler, UPSAMPLER_SAMPLER, UPSAMPLER_STEPS
+from imagegen.models import family_of, load_model as load_any_model
 from imagegen.metrics import best_of_n, clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
 from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
@@ -52,18 +46,11 @@ def write_samples(images, prompts:list[str], scenes:list, seeds:list[int], out:P
     return out
 
 def load_model(path:str|Path) -> tuple[str, object]:
-    "The model saved in `path` and its family: ('ldm', LatentDiffusion), ('ldm-edit', LatentEditor), ('glide', GlideDiffusion), ('gpt', TextToImageGPT), ('gpt-edit', GPTEditor) or ('hybrid', HybridPipeline)."
-    p = Path(path)
-    if is_hybrid_folder(p): return 'hybrid', HybridPipeline.from_pretrained(p)
-    if (p/GPT_FILE).exists():
-        if json.loads((p/GPT_FILE).read_text()).get('task') == 'edit': return 'gpt-edit', GPTEditor.from_pretrained(p)
-        return 'gpt', TextToImageGPT.from_pretrained(p)
-    if (p/'image_noising_scheduler').is_dir():
-        raise ConfigError(f"--model {p} is a GLIDE upsampler: pass the base model as --model and this folder as --upsampler.")
-    if (p/GLIDE_FILE).exists(): return 'glide', GlideDiffusion.from_pretrained(p)
-    if (p/'unet').is_dir(): return ('ldm-edit', LatentEditor.from_pretrained(p)) if is_edit_folder(p) else ('ldm', LatentDiffusion.from_pretrained(p))
-    raise FileNotFoundError(f"--model {p} holds neither a diffusion model (unet/) nor a latent GPT ({GPT_FILE}): "
-                            "pass the model/ folder of a train_ldm.py, train_glide.py or train_gpt.py run.")
+    "The model saved in `path` (through `imagegen.models.load_model`) and its family: 'ldm', 'ldm-edit', 'glide', 'gpt', 'gpt-edit' or 'hybrid'."
+    m = load_any_model(path)
+    if family_of(m) == 'glide-upsampler':
+        raise ConfigError(f"--model {path} is a GLIDE upsampler: pass the base model as --model and this folder as --upsampler.")
+    return family_of(m), m
 
 def images_distributed(acc:Accelerator, generate, prompts:list[str], seeds:list[int], batch_size:int=64, progress:bool=True,
                        per_item:dict|None=None, desc:str='sampling', **kwargs) -> list:
@@ -84,18 +71,16 @@ def family_images(acc:Accelerator, family:str, m, ps:list[str], seeds:list[int],
                   negative_prompt, eta, temperature, top_k, top_p) -> tuple[list, dict]:
     "Images of one model for `ps` (one seed each) and the settings that made them."
     if family in ('ldm', 'glide'):
-        sampler = sampler or ('ddpm' if family == 'glide' else 'dpmpp_2m')
+        s = m.sampling                          # the model's own sampling settings, for every flag left unset
+        sampler, steps, guidance = sampler or s['sampler'], steps or s['num_inference_steps'], s['guidance_scale'] if guidance is None else guidance
         if sampler not in SAMPLERS: raise ConfigError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
         if any(v is not None for v in (temperature, top_k, top_p)): raise ConfigError("--temperature, --top_k and --top_p apply to latent GPT models, not to diffusion.")
-        guidance = (3.0 if family == 'glide' else 4.0) if guidance is None else guidance
         images = sample_distributed(acc, m.unet, make_scheduler(sampler, m.scheduler), m.text_encoder, ps, seeds, negative_prompt=negative_prompt,
                                     autoencoder=getattr(m, 'autoencoder', None), guidance_scale=guidance, steps=steps, eta=eta,
                                     batch_size=batch_size, progress=acc.is_main_process)
         return images, dict(family=family, sampler=sampler, steps=steps, guidance=guidance)
     if negative_prompt: raise ConfigError("--negative_prompt: a latent GPT's unconditional stream is its learned null text; it takes no negative prompt.")
-    c = m.config
-    kw = dict(guidance_scale=c.guidance_scale if guidance is None else guidance, temperature=c.temperature if temperature is None else temperature,
-              top_k=c.top_k if top_k is None else top_k, top_p=c.top_p if top_p is None else top_p)
+    kw = sampling_settings(m.sampling, guidance_scale=guidance, temperature=temperature, top_k=top_k, top_p=top_p)
     images = images_distributed(acc, m.generate, ps, seeds, batch_size, progress=acc.is_main_process, **kw)
     return images, dict(family='gpt', guidance=kw['guidance_scale'], temperature=kw['temperature'], top_k=kw['top_k'], top_p=kw['top_p'])
 
@@ -163,20 +148,20 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
          shapes_level:int=1, # Shapes difficulty: 1 one object, 2 two objects with a relation
          shapes_text_split:str=None, # the prompts of this split of the Shapes text variant, a quoted word in a colour ('test': word-colour pairs no training image shows; evaluate.py reads the words with OCR)
          n:int=64, # number of Shapes prompts
-         guidance:float=None, # classifier-free guidance scale (1 = off; default: 4 latent diffusion, 3 GLIDE, the model's own for a GPT)
+         guidance:float=None, # classifier-free guidance scale (1 = off; default: the model's own, `model.sampling`: 4 for latent diffusion, 3 for GLIDE as trained here)
          seed:int=0, # image i uses seed + i
          batch_size:int=64, # images per forward pass (per process)
-         sampler:str=None, # diffusion: one of ddpm ddim plms euler euler_a heun dpmpp_2m dpmpp_2m_karras unipc (default: dpmpp_2m; GLIDE: ddpm)
-         steps:int=20, # diffusion: sampling steps
+         sampler:str=None, # diffusion: one of ddpm ddim plms euler euler_a heun dpmpp_2m dpmpp_2m_karras unipc (default: the model's own; dpmpp_2m, GLIDE ddpm)
+         steps:int=None, # diffusion: sampling steps (default: the model's own, 20)
          negative_prompt:str=None, # diffusion: replaces the empty unconditional prompt
          eta:float=0.0, # diffusion: DDIM eta (0 deterministic)
          temperature:float=None, # GPT: sampling temperature (default: the model's)
          top_k:int=None, # GPT: keep the k most likely tokens (default: the model's)
          top_p:float=None, # GPT: nucleus sampling threshold (default: the model's)
          upsampler:str=None, # GLIDE: an upsampler folder (train_glide.py --stage upsample); the base images go to OUT/base
-         upsampler_sampler:str=UPSAMPLER_SAMPLER, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampler
-         upsampler_steps:int=UPSAMPLER_STEPS, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampling steps
-         upsampler_guidance:float=1.0, # GLIDE upsampler: its guidance scale
+         upsampler_sampler:str=None, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampler (default: its own, dpmpp_2m)
+         upsampler_steps:int=None, # GLIDE upsampler (or a hybrid pipeline's decoder): its sampling steps (default: its own, 10)
+         upsampler_guidance:float=None, # GLIDE upsampler: its guidance scale (default: its own, 1)
          upsampler_batch_size:int=None, # GLIDE upsampler (or a hybrid's decoder): images per forward pass (default: --batch_size; on a CPU small batches run faster per image)
          noise_level:int=None, # GLIDE upsampler: augmentation level of its input (default: the model's)
          candidates:int=1, # draw this many images per prompt and keep the best by --rerank (OUT/ranked/NNNNNN/rank_001.png...)
@@ -185,7 +170,7 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
          clip_model:str=None, # CLIP model folder or Hub id (transformers format) for --rerank clip
          source_image:str=None, # editor: source image file(s) separated by '|' (one for every instruction, or one per instruction)
          shapes_edit_split:str=None, # editor: the Shapes edit triples of this split instead ('test' involves held-out colour-shape pairs)
-         image_guidance:float=None, # editor: image guidance scale (InstructPix2Pix's image_guidance_scale; 1 = off; default 1.5)
+         image_guidance:float=None, # editor: image guidance scale (InstructPix2Pix's image_guidance_scale; 1 = off; default: the editor's own, 1.5)
         ):
     "Sample images for prompts from a trained model; on several processes the prompts are split and gathered in order."
     if candidates < 1 or not 1 <= keep <= candidates: raise ConfigError(f"--candidates {candidates} --keep {keep}: need 1 <= keep <= candidates.")
@@ -202,14 +187,11 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
         if candidates > 1 or upsampler or shapes_split or shapes_text_split:
             raise ConfigError(f"{model} is an editor: it takes --source_image with --prompts, or --shapes_edit_split (not --shapes_split, --candidates or --upsampler).")
         if family == 'ldm-edit':
-            kw = dict(guidance_scale=4.0 if guidance is None else guidance, image_guidance_scale=1.5 if image_guidance is None else image_guidance,
-                      sampler=sampler or 'dpmpp_2m', num_inference_steps=steps)
+            kw = sampling_settings(m.sampling, guidance_scale=guidance, image_guidance_scale=image_guidance, sampler=sampler, num_inference_steps=steps)
             if kw['sampler'] not in SAMPLERS: raise ConfigError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
         else:
-            c = m.config
-            kw = dict(guidance_scale=c.guidance_scale if guidance is None else guidance, image_guidance_scale=1.5 if image_guidance is None else image_guidance,
-                      temperature=c.temperature if temperature is None else temperature, top_k=c.top_k if top_k is None else top_k,
-                      top_p=c.top_p if top_p is None else top_p)
+            kw = sampling_settings(m.sampling, guidance_scale=guidance, image_guidance_scale=image_guidance, temperature=temperature,
+                                   top_k=top_k, top_p=top_p)
         return sample_edits(acc, m, out, edit_inputs(m, source_image, prompts, prompt_file, shapes_edit_split, n, seed), seed=seed,
                             batch_size=batch_size, meta={'family': family, 'model': str(model)}, **kw)
     if upsampler and family != 'glide':
@@ -226,7 +208,10 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
     meta |= {'model': str(model)} | ({'family': 'hybrid'} if hybrid else {})
     if upsampler or hybrid:
         base_images, base_meta = images, dict(meta)
-        up = hybrid.decoder if hybrid else GlideUpsampler.from_pretrained(upsampler).to(acc.device)
+        up = hybrid.decoder if hybrid else load_any_model(upsampler).to(acc.device)
+        if family_of(up) != 'glide-upsampler': raise ConfigError(f"--upsampler {upsampler} is a {type(up).__name__}, not a GLIDE upsampler (train_glide.py --stage upsample).")
+        us = sampling_settings(up.sampling, sampler=upsampler_sampler, num_inference_steps=upsampler_steps, guidance_scale=upsampler_guidance)
+        upsampler_sampler, upsampler_steps, upsampler_guidance = us['sampler'], us['num_inference_steps'], us['guidance_scale']
         low = to_unit_batch(base_images) * 2 - 1
         images = images_distributed(acc, up.generate, ps_x, seeds_x, upsampler_batch_size or batch_size, progress=acc.is_main_process, per_item={'low_res_images': low},
                                     desc='upsampling', num_inference_steps=upsampler_steps, guidance_scale=upsampler_guidance,

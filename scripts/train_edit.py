@@ -4,6 +4,7 @@ from __future__ import annotations
 from imagegen.config import Flag, parse_run, run_cli
 from imagegen.data import DATA_FLAGS
 from imagegen.edits import EditConfig, EditDataConfig
+from imagegen.models import build_editor, family_of
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/edit', lr=1e-4, max_steps=5000, batch_size=32, warmup_steps=100, ema=True,
@@ -25,9 +26,9 @@ def train_edit(tcfg:TrainConfig, cfg:EditConfig, dcfg:EditDataConfig) -> object:
     "Train an editor with the shared loop (the family of the starting checkpoint); the model goes to OUTPUT_DIR/model."
     import dataclasses
     from imagegen.training.loop import make_accelerator, train
-    tcfg = dataclasses.replace(tcfg, tags={'model': cfg.family, **(tcfg.tags or {})})   # the tracker run says which family
     acc = make_accelerator(tcfg)
-    model = cfg.build()
+    model = build_editor(cfg)
+    tcfg = dataclasses.replace(tcfg, tags={'model': family_of(model).removesuffix('-edit'), **(tcfg.tags or {})})   # the tracker run says which family
     res = model.resolution
     dl = dcfg.make_dataloader(tcfg.batch_size, res)
     model.sample_sources, model.sample_prompts = grid_sources(dcfg, dl, tcfg.n_samples, res)   # --validation_prompts win (the loop sets them)

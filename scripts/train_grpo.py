@@ -5,8 +5,7 @@ from pathlib import Path
 from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.rl.grpo import GRPOConfig
 from imagegen.rl.run import GRPORunConfig
-from imagegen.rl.gpt import GPTGRPO
-from imagegen.rl.hybrid import HybridGRPO
+from imagegen.models import family_of
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/grpo', lr=3e-5, lr_scheduler='constant', warmup_steps=0, max_steps=200,
@@ -21,10 +20,11 @@ def policy_images(task, prompts:list[str], sources:list|None=None) -> list:
     import torch
     from imagegen.grids import to_pil
     gens = [torch.Generator(task.model.device).manual_seed(i) for i in range(len(prompts))]
-    if isinstance(task, HybridGRPO):                                             # both stages with their own samplers, prompt i with seed i
+    family = family_of(task.model)
+    if family == 'hybrid':                                                       # both stages with their own samplers, prompt i with seed i
         return [im for i, p in enumerate(prompts) for im in to_pil(task.model.generate([p], seed=i), value_range=(-1, 1))]
-    kw = {} if isinstance(task, GPTGRPO) else {'guidance_scale': task.g}        # diffusion: the rollouts' guidance, the model's own sampler
-    if task.editor: return to_pil(task.model.edit(sources, prompts, image_guidance_scale=task.ig, generator=gens, **kw), value_range=(-1, 1))
+    kw = {} if family.startswith('gpt') else {'guidance_scale': task.g}         # diffusion: the rollouts' guidance, the model's own sampler
+    if task.editor: kw |= {'image': sources, 'image_guidance_scale': task.ig}
     return to_pil(task.model.generate(prompts, generator=gens, **kw), value_range=(-1, 1))
 
 def stack_rows(paths:list, labels:list[str], margin:int=48):
@@ -47,8 +47,7 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
                           "(e.g. --eval_steps 25 --num_validation_prompts 64 --metric_for_best_model reward_mean).")
     acc = make_accelerator(tcfg)
     task = cfg.build(gcfg).to(acc.device)
-    family = 'gpt' if isinstance(task, GPTGRPO) else 'hybrid' if isinstance(task, HybridGRPO) else 'ldm'
-    tcfg = dataclasses.replace(tcfg, tags={'model': family, **(tcfg.tags or {})})
+    tcfg = dataclasses.replace(tcfg, tags={'model': family_of(task.model).removesuffix('-edit'), **(tcfg.tags or {})})
     prompts, ctx = task.prompts(tcfg.n_samples, seed=GRID_SEED)
     sources = ctx.get('sources')
     if tcfg.validation_prompts and task.editor: raise ConfigError("--validation_prompts: an editor's grids need source images too; they come from the prompt stream.")

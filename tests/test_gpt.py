@@ -86,5 +86,5 @@ def test_user_errors_are_one_line(vq, gpt2, tmp_path):
         ('scripts/sample.py', ['--model', vq, '--prompts', 'a red circle']),
         ('scripts/sample.py', ['--model', run_dir/'model', '--prompt', 'a red circle'])])
     assert wrong_vq['returncode'] == 2 and 'Traceback' not in wrong_vq['stderr'] and 'VQ' in wrong_vq['stderr'], wrong_vq['stderr'][-2000:]
-    assert not_a_model['returncode'] == 2 and 'holds neither' in not_a_model['stderr'] and 'Traceback' not in not_a_model['stderr'], not_a_model['stderr'][-2000:]
+    assert not_a_model['returncode'] == 2 and 'a VQ-VAE alone' in not_a_model['stderr'] and 'Traceback' not in not_a_model['stderr'], not_a_model['stderr'][-2000:]
     assert abbreviated['returncode'] == 2 and 'unrecognized arguments: --prompt' in abbreviated['stderr']     # no prefix abbreviations

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .model import LatentGPT
 from .task import GPT_FILE, GPTConfig, TextToImageGPT
-from ..config import ConfigError
+from ..config import ConfigError, sampling_settings
 from ..edits import EditConfig, edit_dropout_masks, edit_sample_grid, make_edit_optimizer, prepare_sources
 
 # %% auto #0
@@ -28,6 +28,12 @@ class GPTEditor(TextToImageGPT):
         edit_dropout_masks(0, conditioning_dropout_prob)          # validates the rate
         self.conditioning_dropout_prob, self.source_lr_scale = conditioning_dropout_prob, 1.0
         self.source_token_margin, self.source_token_tolerance = None, 0.02     # copy-consistent targets: off (see `loss`)
+        self.image_guidance_scale = 1.5                                       # `edit`'s default guidance toward the source (saved)
+
+    @property
+    def sampling(self) -> dict:
+        "`edit`'s defaults: the config's sampling settings and the image guidance."
+        return {**super().sampling, 'image_guidance_scale': self.image_guidance_scale}
 
     def configure_optimizer(self, model, cfg) -> torch.optim.Optimizer:
         "The loop's hook: as the text-to-image model's, with the weights that read the source at `source_lr_scale` times the rate (`EditConfig`)."
@@ -49,7 +55,7 @@ class GPTEditor(TextToImageGPT):
 
     @classmethod
     def from_edit_config(cls, cfg:EditConfig) -> GPTEditor:
-        "The editor of an editing run (`EditConfig.build` calls this for latent GPT folders): a text-to-image GPT made an editor, or an editor as it is."
+        "The editor of an editing run (`imagegen.models.build_editor` calls this for latent GPT folders): a text-to-image GPT made an editor, or an editor as it is."
         path = Path(cfg.pretrained_model_name_or_path)
         if cfg.snr_gamma is not None: raise ConfigError(f"--snr_gamma {cfg.snr_gamma}: {path} is a latent GPT, trained with cross-entropy over its tokens; "
                                                         "min-SNR weighting is an option of diffusion editors. Leave it unset.")
@@ -108,18 +114,16 @@ def loss(self:GPTEditor, model, batch:dict) -> dict:
 
 # %% ../../nbs/05c_edit.ipynb #e2c291ab
 @patch
-def edit(self:GPTEditor, images, instructions:list[str], guidance_scale:float|None=None, image_guidance_scale:float=1.5,
+def edit(self:GPTEditor, images, instructions:list[str], guidance_scale:float|None=None, image_guidance_scale:float|None=None,
          temperature:float|None=None, top_k:int|None=None, top_p:float|None=None,
          generator:torch.Generator|list[torch.Generator]|None=None, seed:int=0, logits_processor:list|None=None,
          return_tokens:bool=False) -> torch.Tensor:
-    "Edited images `(B, 3, H, W)` in [-1, 1] (or their token grids): the sources' tokens in the memory, guided by the instruction and the source."
+    "Edited images `(B, 3, H, W)` in [-1, 1] (or their token grids): the sources' tokens in the memory, guided by the instruction and the source; unset settings: `self.sampling`."
     instructions = self.text_encoder.check_length([instructions] if isinstance(instructions, str) else list(instructions))
     x = prepare_sources(images, self.resolution)
     if len(x) != len(instructions): raise ValueError(f"{len(x)} source images for {len(instructions)} instructions.")
-    c = self.config or GPTConfig()
-    kw = dict(guidance_scale=c.guidance_scale if guidance_scale is None else guidance_scale, image_guidance_scale=image_guidance_scale,
-              temperature=c.temperature if temperature is None else temperature,
-              top_k=c.top_k if top_k is None else top_k, top_p=c.top_p if top_p is None else top_p)
+    kw = sampling_settings(self.sampling, guidance_scale=guidance_scale, image_guidance_scale=image_guidance_scale, temperature=temperature,
+                           top_k=top_k, top_p=top_p)
     dev = self.device
     generator = generator if generator is not None else torch.Generator(dev).manual_seed(seed)
     with torch.no_grad(): src, text = self.tokenizer.encode(x.to(dev)), self.text_encoder.encode(instructions)
@@ -134,6 +138,16 @@ def sample(self:GPTEditor, n:int|None=None, step:int|None=None, **kwargs) -> tup
     "For the loop's grids: each of the first `n` sample sources, then its edit by the matching sample instruction."
     return edit_sample_grid(self, n, **kwargs)
 
+# %% ../../nbs/05c_edit.ipynb #696ed8df
+@patch
+def generate(self:GPTEditor, prompts:list[str]|None=None, *, image=None, guidance_scale:float|None=None,
+             num_inference_steps:int|None=None, generator:torch.Generator|list[torch.Generator]|None=None, seed:int=0, **kwargs) -> torch.Tensor:
+    "The one generation interface for an editor: `edit(image, prompts, ...)`, `image` the source (PIL or `(B, 3, H, W)` in [-1, 1]), one per instruction."
+    if image is None: raise ValueError("GPTEditor.generate edits images: pass image= (the source images, one per instruction).")
+    if num_inference_steps is not None:
+        raise ConfigError(f"num_inference_steps={num_inference_steps}: a latent GPT draws one token per step; leave it unset.")
+    return self.edit(image, prompts, guidance_scale=guidance_scale, generator=generator, seed=seed, **kwargs)
+
 # %% ../../nbs/05c_edit.ipynb #f831fe8d
 @patch
 def save_pretrained(self:GPTEditor, save_directory:str|Path):
@@ -146,5 +160,7 @@ def save_pretrained(self:GPTEditor, save_directory:str|Path):
 def from_pretrained(cls:GPTEditor, path:str|Path, train_text_encoder:bool|None=None) -> GPTEditor:
     "Load a folder written by `GPTEditor.save_pretrained`."
     m = TextToImageGPT.from_pretrained.__func__(cls, path, train_text_encoder)
-    m.conditioning_dropout_prob = json.loads((Path(path)/GPT_FILE).read_text()).get('conditioning_dropout_prob', 0.05)
+    meta = json.loads((Path(path)/GPT_FILE).read_text())
+    m.conditioning_dropout_prob = meta.get('conditioning_dropout_prob', 0.05)
+    m.image_guidance_scale = meta.get('sampling', {}).get('image_guidance_scale', m.image_guidance_scale)
     return m

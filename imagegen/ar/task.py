@@ -13,7 +13,7 @@ from torch import nn
 from fastcore.basics import patch
 from ..autoencoders.vq import VQTokenizer
 from .model import OUTPUT_HEADS, LatentGPT, LatentGPTConfig
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, model_record, sampling_settings
 from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
 from ..grids import to_pil
 from ..text import TextEncoder, load_text_encoder, text_states
@@ -115,6 +115,11 @@ class TextToImageGPT:
     def resolution(self) -> int: return self.config.resolution if self.config else self.gpt.config.token_grid[0] * self.tokenizer.downsample_factor
     @property
     def token_grid(self) -> tuple[int, int]: return tuple(self.gpt.config.token_grid)
+    @property
+    def sampling(self) -> dict:
+        "`generate`'s defaults: the sampling settings of the model's config (saved with it)."
+        c = self.config or GPTConfig()
+        return dict(guidance_scale=c.guidance_scale, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
 
     # Copied from LatentDiffusion.configure_optimizer (nbs/04b_ldm; a family never imports another family)
     def configure_optimizer(self, model:nn.Module, cfg) -> torch.optim.Optimizer:
@@ -196,15 +201,15 @@ def cache_tokens(tokenizer:VQTokenizer, dataset, batch_size:int=256, device=None
 
 # %% ../../nbs/05b_t2i.ipynb #49332b3e
 @patch
-def generate(self:TextToImageGPT, prompts:list[str]|None=None, guidance_scale:float|None=None, temperature:float|None=None,
-             top_k:int|None=None, top_p:float|None=None, generator:torch.Generator|list[torch.Generator]|None=None, seed:int=0,
-             logits_processor:list|None=None, return_tokens:bool=False) -> torch.Tensor:
-    "Images `(len(prompts), 3, H, W)` in [-1, 1] (or the token grids `(B, h, w)`); unset sampling settings come from the config; `generator`: one, or one per image."
+def generate(self:TextToImageGPT, prompts:list[str]|None=None, *, guidance_scale:float|None=None, num_inference_steps:int|None=None,
+             generator:torch.Generator|list[torch.Generator]|None=None, seed:int=0, temperature:float|None=None,
+             top_k:int|None=None, top_p:float|None=None, logits_processor:list|None=None, return_tokens:bool=False) -> torch.Tensor:
+    "Images `(len(prompts), 3, H, W)` in [-1, 1] (or the token grids `(B, h, w)`); unset settings: `self.sampling`; `generator`: one, or one per image."
+    if num_inference_steps is not None:
+        raise ConfigError(f"num_inference_steps={num_inference_steps}: a latent GPT draws one token per step, {math.prod(self.token_grid)} steps "
+                          "for its token grid; leave it unset.")
     prompts = self.text_encoder.check_length(list(self.sample_prompts if prompts is None else prompts))
-    c = self.config or GPTConfig()
-    kw = dict(guidance_scale=c.guidance_scale if guidance_scale is None else guidance_scale,
-              temperature=c.temperature if temperature is None else temperature,
-              top_k=c.top_k if top_k is None else top_k, top_p=c.top_p if top_p is None else top_p)
+    kw = sampling_settings(self.sampling, guidance_scale=guidance_scale, temperature=temperature, top_k=top_k, top_p=top_p)
     dev = self.device
     generator = generator if generator is not None else torch.Generator(dev).manual_seed(seed)
     with torch.no_grad(): text = self.text_encoder.encode(prompts)
@@ -228,7 +233,8 @@ def save_pretrained(self:TextToImageGPT, save_directory:str|Path):
     "Write `transformer/`, `vqvae/`, `tokenizer/`, `text_encoder/` and `imagegen_gpt.json` under `save_directory`."
     d = Path(save_directory); d.mkdir(parents=True, exist_ok=True)
     self.gpt.save_pretrained(d/'transformer'); self.tokenizer.save_pretrained(d/'vqvae'); self.text_encoder.save_pretrained(d)
-    meta = dict(family='latent-gpt', config=self.config.to_dict() if self.config else None, sample_prompts=self.sample_prompts)
+    meta = model_record(self, sampling=self.sampling, family='latent-gpt', config=self.config.to_dict() if self.config else None,
+                        sample_prompts=self.sample_prompts)
     (d/GPT_FILE).write_text(json.dumps(meta, indent=2))
 
 @patch(cls_method=True)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from diffusers import AutoencoderKL, StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
 from fastcore.basics import patch
-from ..config import ConfigError
+from ..config import ConfigError, model_record, sampling_settings
 from ..edits import EditConfig, edit_dropout_masks, edit_sample_grid, make_edit_optimizer, prepare_sources
 from .ldm import LatentDiffusion, LDM_FILE
 from .sampling import draw_noise, make_scheduler, sample_latents
@@ -36,6 +36,7 @@ def expand_conv_in(unet:UNet2DConditionModel, extra_channels:int) -> UNet2DCondi
 class LatentEditor(LatentDiffusion):
     "InstructPix2Pix on our latent diffusion: the UNet reads noisy latents + the source image's latents; two guidance scales."
     input_latents = 2
+    default_sampling = dict(sampler='dpmpp_2m', num_inference_steps=20, guidance_scale=4.0, image_guidance_scale=1.5)
     def __init__(self, *args, conditioning_dropout_prob:float=0.05, **kwargs):
         super().__init__(*args, **kwargs)
         edit_dropout_masks(0, conditioning_dropout_prob)          # validates the rate
@@ -74,10 +75,13 @@ def condition(self:LatentEditor, batch:dict, generator:torch.Generator|None=None
 
 # %% ../../nbs/04e_edit.ipynb #1a60246f
 @patch
-def edit(self:LatentEditor, images, instructions:list[str], num_inference_steps:int=20, guidance_scale:float=7.5,
-         image_guidance_scale:float=1.5, generator:torch.Generator|list|None=None, seed:int=0, sampler:str='dpmpp_2m',
+def edit(self:LatentEditor, images, instructions:list[str], num_inference_steps:int|None=None, guidance_scale:float|None=None,
+         image_guidance_scale:float|None=None, generator:torch.Generator|list|None=None, seed:int=0, sampler:str|None=None,
          callback=None) -> torch.Tensor:
-    "Edited images `(B, 3, H, W)` in [-1, 1]: `sampler` with InstructPix2Pix's two guidance scales."
+    "Edited images `(B, 3, H, W)` in [-1, 1]: `sampler` with InstructPix2Pix's two guidance scales; unset settings: `self.sampling`."
+    s = sampling_settings(self.sampling, sampler=sampler, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                          image_guidance_scale=image_guidance_scale)
+    sampler, num_inference_steps, guidance_scale, image_guidance_scale = (s[k] for k in ('sampler', 'num_inference_steps', 'guidance_scale', 'image_guidance_scale'))
     instructions = [instructions] if isinstance(instructions, str) else list(instructions)
     res = self.resolution
     x = prepare_sources(images, res)
@@ -95,6 +99,14 @@ def edit(self:LatentEditor, images, instructions:list[str], num_inference_steps:
     finally: self.unet.train(was)
     return self.autoencoder.decode(z).clamp(-1, 1)
 
+# %% ../../nbs/04e_edit.ipynb #6c5e00f4
+@patch
+def generate(self:LatentEditor, prompts:list[str]|None=None, *, image=None, guidance_scale:float|None=None,
+             num_inference_steps:int|None=None, generator:torch.Generator|list|None=None, seed:int=0, **kwargs) -> torch.Tensor:
+    "The one generation interface for an editor: `edit(image, prompts, ...)`, `image` the source (PIL or `(B, 3, H, W)` in [-1, 1]), one per instruction."
+    if image is None: raise ValueError("LatentEditor.generate edits images: pass image= (the source images, one per instruction).")
+    return self.edit(image, prompts, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, generator=generator, seed=seed, **kwargs)
+
 # %% ../../nbs/04e_edit.ipynb #6730dabf
 @patch
 def save_pretrained(self:LatentEditor, save_directory:str|Path):
@@ -104,9 +116,9 @@ def save_pretrained(self:LatentEditor, save_directory:str|Path):
     StableDiffusionInstructPix2PixPipeline(vae=self.autoencoder.vae, text_encoder=te.model, tokenizer=te.tokenizer, unet=self.unet,
                                            scheduler=make_scheduler('dpmpp_2m', self.scheduler), safety_checker=None,
                                            feature_extractor=None, requires_safety_checker=False).save_pretrained(d)
-    meta = dict(task='edit', conditioning_dropout_prob=self.conditioning_dropout_prob, snr_gamma=self.snr_gamma,
-                noise_offset=self.noise_offset, sample_prompts=self.sample_prompts,
-                config=self.config.to_dict() if self.config else None, train_scheduler=dict(self.scheduler.config))
+    meta = model_record(self, sampling=self.sampling, task='edit', conditioning_dropout_prob=self.conditioning_dropout_prob,
+                        snr_gamma=self.snr_gamma, noise_offset=self.noise_offset, sample_prompts=self.sample_prompts,
+                        config=self.config.to_dict() if self.config else None, train_scheduler=dict(self.scheduler.config))
     (d/LDM_FILE).write_text(json.dumps(meta, indent=2))
 
 def is_edit_folder(path:str|Path) -> bool:
@@ -126,7 +138,7 @@ def from_pretrained(cls:LatentEditor, path:str|Path, **kwargs) -> LatentEditor:
 # %% ../../nbs/04e_edit.ipynb #4913fb2a
 @patch(cls_method=True)
 def from_edit_config(cls:LatentEditor, cfg:EditConfig) -> LatentEditor:
-    "The editor of an editing run (`EditConfig.build` calls this for diffusion checkpoints): a text-to-image model widened, or an editor as it is."
+    "The editor of an editing run (`imagegen.models.build_editor` calls this for diffusion checkpoints): a text-to-image model widened, or an editor as it is."
     path, hub = cfg.pretrained_model_name_or_path, dict(cache_dir=cfg.cache_dir, revision=cfg.revision)
     if cfg.token_noise is not None: raise ConfigError(f"--token_noise {cfg.token_noise}: {path} is a diffusion model, which reads no tokens; "
                                                       "token noise is an option of latent GPT editors. Leave it unset.")

@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from transformers import AutoTokenizer, CLIPTextConfig, PreTrainedModel  # PreTrainedModel: diffusers looks it up in this module to load GlideTextModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.clip.modeling_clip import CLIPEncoder, CLIPPreTrainedModel
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, model_record, sampling_settings
 from .ldm import UNetWithTextEncoder, _drop_captions, diffusion_target, loss_weights
 from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
 from ..grids import to_pil
@@ -179,10 +179,12 @@ def build_glide_scheduler(cfg:GlideConfig, beta_schedule:str|None=None) -> DDPMS
 # %% ../../nbs/04c_glide.ipynb #7f961979
 class GlideDiffusion:
     "GLIDE in pixel space: text transformer + ADM UNet; `loss(batch)` for the shared loop, an `IFPipeline` folder on save."
+    default_sampling = dict(sampler='ddpm', num_inference_steps=20, guidance_scale=3.0)   # `generate`'s defaults unless saved otherwise
     def __init__(self, unet:UNet2DConditionModel, text_encoder:TextEncoder, scheduler:DDPMScheduler, uncond_p:float=0.2,
                  config:GlideConfig|None=None, sample_prompts:list[str]|None=None):
         self.unet, self.text_encoder, self.scheduler, self.uncond_p, self.config = unet, text_encoder, scheduler, uncond_p, config
         self.sample_prompts = list(sample_prompts or ["", "a red circle", "a blue square", "a green triangle"])
+        self.sampling = dict(self.default_sampling)     # saved with the model; `generate` fills unset arguments from it
         width = unet.config.encoder_hid_dim or unet.config.cross_attention_dim
         if width != text_encoder.hidden_size:
             raise ValueError(f"GLIDE UNet reads {width}-wide text states but the text encoder gives {text_encoder.hidden_size}: build them from one GlideConfig.")
@@ -310,9 +312,11 @@ def loss(self:GlideDiffusion, model:nn.Module, batch:dict, generator:torch.Gener
 
 # %% ../../nbs/04c_glide.ipynb #f58d127f
 @patch
-def generate(self:GlideDiffusion, prompts:list[str]|None=None, num_inference_steps:int=25, guidance_scale:float=3.0,
-             generator:torch.Generator|None=None, seed:int=0, sampler:str='ddpm', latents:torch.Tensor|None=None) -> torch.Tensor:
-    "Images `(len(prompts), 3, H, W)` in [-1, 1]: `sample_latents` in pixel space with `sampler` and classifier-free guidance."
+def generate(self:GlideDiffusion, prompts:list[str]|None=None, *, guidance_scale:float|None=None, num_inference_steps:int|None=None,
+             generator:torch.Generator|None=None, seed:int=0, sampler:str|None=None, latents:torch.Tensor|None=None) -> torch.Tensor:
+    "Images `(len(prompts), 3, H, W)` in [-1, 1]: `sample_latents` in pixel space with `sampler` and classifier-free guidance; unset settings: `self.sampling`."
+    s = sampling_settings(self.sampling, sampler=sampler, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+    sampler, num_inference_steps, guidance_scale = s['sampler'], s['num_inference_steps'], s['guidance_scale']
     prompts = list(prompts or self.sample_prompts)
     dev, res = self.device, self.resolution
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
@@ -347,8 +351,8 @@ def save_pretrained(self:GlideDiffusion, save_directory:str|Path, sampler:str='d
     index = json.loads((d/'model_index.json').read_text())                  # name the class where it lives, wherever it was defined
     index['text_encoder'] = ['imagegen.diffusion.glide', 'GlideTextModel']
     (d/'model_index.json').write_text(json.dumps(index, indent=2))
-    meta = dict(uncond_p=self.uncond_p, sample_prompts=self.sample_prompts, config=self.config.to_dict() if self.config else None,
-                train_scheduler=dict(self.scheduler.config))
+    meta = model_record(self, sampling=self.sampling, uncond_p=self.uncond_p, sample_prompts=self.sample_prompts,
+                        config=self.config.to_dict() if self.config else None, train_scheduler=dict(self.scheduler.config))
     (d/GLIDE_FILE).write_text(json.dumps(meta, indent=2))
 
 def _load_glide_parts(path:str|Path, config_class, train_text_encoder:bool|None, cache_dir:str|None, revision:str|None,
@@ -380,4 +384,6 @@ def from_pretrained(cls:GlideDiffusion, path:str|Path, train_text_encoder:bool|N
     if (Path(path)/'image_noising_scheduler').is_dir():
         raise ValueError(f"{path} is a GLIDE upsampler folder: load it with imagegen.diffusion.upsampler.GlideUpsampler.from_pretrained.")
     unet, te, sched, meta, cfg = _load_glide_parts(path, GlideConfig, train_text_encoder, cache_dir, revision)
-    return cls(unet, te, sched, meta.get('uncond_p', 0.2), cfg, meta.get('sample_prompts'))
+    m = cls(unet, te, sched, meta.get('uncond_p', 0.2), cfg, meta.get('sample_prompts'))
+    m.sampling = sampling_settings(m.sampling, **meta.get('sampling', {}))     # as saved; a folder from before this record: the defaults
+    return m

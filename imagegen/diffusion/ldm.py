@@ -17,7 +17,7 @@ from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
 from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
 from ..grids import to_pil
 from ..text import TextEncoder, load_text_encoder, text_states
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, model_record, sampling_settings
 from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
 from ..training.loop import make_optimizer
 
@@ -146,12 +146,14 @@ class UNetWithTextEncoder(nn.Module):
 class LatentDiffusion:
     "Frozen autoencoder + text encoder, trainable UNet; `loss(batch)` for the shared loop, diffusers-format save/load."
     input_latents = 1      # latent tensors concatenated at the UNet's input (an InstructPix2Pix editor: 2, noisy + source)
+    default_sampling = dict(sampler='dpmpp_2m', num_inference_steps=20, guidance_scale=4.0)   # `generate`'s defaults unless saved otherwise
     def __init__(self, unet:UNet2DConditionModel, autoencoder:ImageAutoencoder, text_encoder:TextEncoder,
                  scheduler:DDPMScheduler, snr_gamma:float|None=None, noise_offset:float=0.0, cond_dropout:float=0.0,
                  config:LDMConfig|None=None, sample_prompts:list[str]|None=None):
         self.unet, self.autoencoder, self.text_encoder, self.scheduler = unet, autoencoder, text_encoder, scheduler
         self.snr_gamma, self.noise_offset, self.cond_dropout, self.config = snr_gamma, noise_offset, cond_dropout, config
         self.sample_prompts = list(sample_prompts or ["", "a red circle", "a blue square", "a green triangle"])
+        self.sampling = dict(self.default_sampling)     # saved with the model; `generate` fills unset arguments from it
         if unet.config.cross_attention_dim != text_encoder.hidden_size:
             raise ValueError(f"UNet cross_attention_dim {unet.config.cross_attention_dim} != text encoder hidden size {text_encoder.hidden_size}.")
         if unet.config.in_channels != autoencoder.latent_channels * self.input_latents:
@@ -266,9 +268,11 @@ def cache_latents(autoencoder:ImageAutoencoder, dataset, batch_size:int=256, dev
 
 # %% ../../nbs/04b_ldm.ipynb #bd7edd71
 @patch
-def generate(self:LatentDiffusion, prompts:list[str]|None=None, num_inference_steps:int=20, guidance_scale:float=4.0,
-             generator:torch.Generator|list|None=None, seed:int=0, sampler:str='ddim') -> torch.Tensor:
-    "Images `(len(prompts), 3, H, W)` in [-1, 1]: `sample_latents` with `sampler` and CFG, decoded by the autoencoder."
+def generate(self:LatentDiffusion, prompts:list[str]|None=None, *, guidance_scale:float|None=None, num_inference_steps:int|None=None,
+             generator:torch.Generator|list|None=None, seed:int=0, sampler:str|None=None) -> torch.Tensor:
+    "Images `(len(prompts), 3, H, W)` in [-1, 1]: `sample_latents` with `sampler` and CFG, decoded by the autoencoder; unset settings: `self.sampling`."
+    s = sampling_settings(self.sampling, sampler=sampler, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+    sampler, num_inference_steps, guidance_scale = s['sampler'], s['num_inference_steps'], s['guidance_scale']
     prompts = list(prompts or self.sample_prompts)
     dev, res = self.device, (self.config.resolution if self.config else self.unet.config.sample_size * self.autoencoder.downsample_factor)
     generator = generator or torch.Generator().manual_seed(seed)
@@ -302,9 +306,9 @@ def save_pretrained(self:LatentDiffusion, save_directory:str|Path):
                                 scheduler=sampler, safety_checker=None, feature_extractor=None,
                                 requires_safety_checker=False).save_pretrained(d)
     # the training noise schedule itself, which the pipeline's sampler config does not fully carry (clip_sample, spacing)
-    meta = dict(snr_gamma=self.snr_gamma, noise_offset=self.noise_offset, cond_dropout=self.cond_dropout,
-                sample_prompts=self.sample_prompts, config=self.config.to_dict() if self.config else None,
-                train_scheduler=dict(self.scheduler.config))
+    meta = model_record(self, sampling=self.sampling, snr_gamma=self.snr_gamma, noise_offset=self.noise_offset, cond_dropout=self.cond_dropout,
+                        sample_prompts=self.sample_prompts, config=self.config.to_dict() if self.config else None,
+                        train_scheduler=dict(self.scheduler.config))
     (d/LDM_FILE).write_text(json.dumps(meta, indent=2))
 
 # %% ../../nbs/04b_ldm.ipynb #3ab31d66
@@ -325,4 +329,6 @@ def from_pretrained(cls:LatentDiffusion, path:str|Path, cache_dir:str|None=None,
     # the training schedule: ours as saved, else (an SD repository) DDPM over the repository's scheduler config, as diffusers' training scripts do
     sched = (DDPMScheduler.from_config(meta['train_scheduler']) if 'train_scheduler' in meta
              else DDPMScheduler.from_pretrained(str(path), subfolder='scheduler', **hub))
-    return cls(unet, ae, te, sched, meta.get('snr_gamma'), meta.get('noise_offset', 0.0), meta.get('cond_dropout', 0.0), cfg, meta.get('sample_prompts'))
+    m = cls(unet, ae, te, sched, meta.get('snr_gamma'), meta.get('noise_offset', 0.0), meta.get('cond_dropout', 0.0), cfg, meta.get('sample_prompts'))
+    m.sampling = sampling_settings(m.sampling, **meta.get('sampling', {}))     # as saved; a folder from before this record: the defaults
+    return m

@@ -13,7 +13,7 @@ from torch import nn
 from diffusers import DDPMScheduler, IFSuperResolutionPipeline, ModelMixin, UNet2DConditionModel  # ModelMixin: diffusers looks it up in this module to load ConditionSkipUNet
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from fastcore.basics import patch
-from ..config import ConfigError
+from ..config import ConfigError, model_record, sampling_settings
 from .glide import (GLIDE_FILE, GlideConfig, GlideDiffusion, _glide_tokenizer, _load_glide_parts,
                                       build_glide_scheduler, build_glide_text_model, build_glide_unet)
 from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
@@ -185,8 +185,11 @@ ConditionSkipUNet.__init__.__signature__ = _base_sig.replace(parameters=[
     *_base_sig.parameters.values(), *[p for p in inspect.signature(ConditionSkipUNet.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]])
 
 # %% ../../nbs/04d_upsampler.ipynb #2f04b89d
+UPSAMPLER_SAMPLER, UPSAMPLER_STEPS = 'dpmpp_2m', 10   # the default of every upsampling entry point (the cascade, the hybrid, the scripts)
+
 class GlideUpsampler(GlideDiffusion):
     "GLIDE's text-aware upsampler: `loss(batch)` on high-resolution images, `generate(prompts, low_res_images)`, an IF SR folder on save."
+    default_sampling = dict(sampler=UPSAMPLER_SAMPLER, num_inference_steps=UPSAMPLER_STEPS, guidance_scale=1.0)   # and `noise_level`
     def __init__(self, unet:UNet2DConditionModel, text_encoder:TextEncoder, scheduler:DDPMScheduler, noising_scheduler:DDPMScheduler,
                  uncond_p:float=0.0, config:UpsamplerConfig|None=None, sample_prompts:list[str]|None=None,
                  noise_aug_max:int=250, noise_level:int=100, low_res:int|None=None):
@@ -266,15 +269,17 @@ def loss(self:GlideUpsampler, model:nn.Module, batch:dict, generator:torch.Gener
     return GlideDiffusion.loss(self, model, batch, generator)
 
 # %% ../../nbs/04d_upsampler.ipynb #d37d0755
-UPSAMPLER_SAMPLER, UPSAMPLER_STEPS = 'dpmpp_2m', 10   # the default of every upsampling entry point (the cascade, the hybrid, the scripts)
-
 @patch
-def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:torch.Tensor|None=None, num_inference_steps:int=UPSAMPLER_STEPS,
-             guidance_scale:float=1.0, generator:torch.Generator|None=None, seed:int=0, sampler:str=UPSAMPLER_SAMPLER,
-             noise_level:int|None=None) -> torch.Tensor:
-    "High-resolution images `(B, 3, H, W)` in [-1, 1] from `low_res_images` in [-1, 1] and their prompts."
+def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:torch.Tensor|None=None, *, guidance_scale:float|None=None,
+             num_inference_steps:int|None=None, generator:torch.Generator|None=None, seed:int=0, sampler:str|None=None,
+             noise_level:int|None=None, image:torch.Tensor|None=None) -> torch.Tensor:
+    "High-resolution images `(B, 3, H, W)` in [-1, 1] from `low_res_images` (or `image`) in [-1, 1] and their prompts; unset settings: `self.sampling`."
+    s = sampling_settings(self.sampling, sampler=sampler, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+    sampler, num_inference_steps, guidance_scale = s['sampler'], s['num_inference_steps'], s['guidance_scale']
     prompts = list(prompts or self.sample_prompts)
-    if low_res_images is None: raise ValueError("GlideUpsampler.generate needs low_res_images: (B, 3, h, w) in [-1, 1], one per prompt.")
+    if low_res_images is not None and image is not None: raise ValueError("give the low-resolution images once: low_res_images or image.")
+    low_res_images = image if low_res_images is None else low_res_images
+    if low_res_images is None: raise ValueError("GlideUpsampler.generate needs low_res_images (or image=): (B, 3, h, w) in [-1, 1], one per prompt.")
     if len(low_res_images) != len(prompts): raise ValueError(f"{len(low_res_images)} low-resolution images for {len(prompts)} prompts: give one per prompt.")
     dev, res, level = self.device, self.resolution, self.noise_level if noise_level is None else noise_level
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)   # or one per image
@@ -350,9 +355,9 @@ def save_pretrained(self:GlideUpsampler, save_directory:str|Path, sampler:str='d
     index['text_encoder'] = ['imagegen.diffusion.glide', 'GlideTextModel']
     if isinstance(self.unet, ConditionSkipUNet): index['unet'] = ['imagegen.diffusion.upsampler', 'ConditionSkipUNet']
     (d/'model_index.json').write_text(json.dumps(index, indent=2))
-    meta = dict(stage='upsample', uncond_p=self.uncond_p, sample_prompts=self.sample_prompts, noise_aug_max=self.noise_aug_max,
-                noise_level=self.noise_level, low_res=self.low_res, config=self.config.to_dict() if self.config else None,
-                train_scheduler=dict(self.scheduler.config))
+    meta = model_record(self, sampling=self.sampling, stage='upsample', uncond_p=self.uncond_p, sample_prompts=self.sample_prompts,
+                        noise_aug_max=self.noise_aug_max, noise_level=self.noise_level, low_res=self.low_res,
+                        config=self.config.to_dict() if self.config else None, train_scheduler=dict(self.scheduler.config))
     (d/GLIDE_FILE).write_text(json.dumps(meta, indent=2))
 
 @patch(cls_method=True)
@@ -365,5 +370,7 @@ def from_pretrained(cls:GlideUpsampler, path:str|Path, train_text_encoder:bool|N
     unet, te, sched, meta, cfg = _load_glide_parts(path, UpsamplerConfig, train_text_encoder, cache_dir, revision,
                                                    unet_classes=(UNet2DConditionModel, ConditionSkipUNet))
     noising = DDPMScheduler.from_pretrained(str(path), subfolder='image_noising_scheduler', cache_dir=cache_dir, revision=revision)
-    return cls(unet, te, sched, noising, meta.get('uncond_p', 0.0), cfg, meta.get('sample_prompts'),
-               meta.get('noise_aug_max', 250), meta.get('noise_level', 100), meta.get('low_res'))
+    m = cls(unet, te, sched, noising, meta.get('uncond_p', 0.0), cfg, meta.get('sample_prompts'),
+            meta.get('noise_aug_max', 250), meta.get('noise_level', 100), meta.get('low_res'))
+    m.sampling = sampling_settings(m.sampling, **meta.get('sampling', {}))     # as saved; a folder from before this record: the defaults
+    return m

@@ -82,12 +82,8 @@ def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor
 
 # %% ../../nbs/06b_grpo.ipynb #b06b0e01
 class RunPolicy:
-    "What every GRPO task shares for export: `from_run(path, info)` rebuilds a run's policy from its `initial_model/` and `run_info.json` (`imagegen.rl.run.GRPOPolicy`) for `scripts/export_checkpoint.py`."
-    @classmethod
-    def from_run(cls, path, info:dict):
-        "The run's policy: the model folder `path` with the LoRA adapters or stage recorded in `info` (no rewards or prompts needed)."
-        from imagegen.rl.run import GRPOPolicy
-        return GRPOPolicy.from_run(path, info)
+    "What every GRPO task shares: for export, `policy_class` names the class whose `from_run(path, info)` rebuilds a run's policy from its `initial_model/` and `run_info.json` (`scripts/export_checkpoint.py` and the loop read the name; this module imports none of it, `imagegen.rl.run` sits above)."
+    policy_class = 'imagegen.rl.run.GRPOPolicy'
 
 # %% ../../nbs/06b_grpo.ipynb #a7c3e2d2
 class Trainables(nn.Module):

@@ -8,13 +8,9 @@ import json, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
-from ..ar.edit import GPTEditor
-from ..hybrid import HybridPipeline, is_hybrid_folder
-from ..ar.task import GPT_FILE, TextToImageGPT
+from ..hybrid import HybridPipeline
 from ..config import Config, ConfigError
-from ..diffusion.edit import LatentEditor, is_edit_folder
-from ..diffusion.glide import GLIDE_FILE
-from ..diffusion.ldm import LatentDiffusion
+from ..models import family_of, load_model, model_class_name
 from .diffusion import DiffusionGRPO, add_lora, save_with_lora
 from .gpt import GPTGRPO
 from .hybrid import STAGES, HybridGRPO
@@ -105,19 +101,12 @@ class GRPORunConfig(Config):
         p = self.pretrained_model_name_or_path
         if not p: raise ConfigError("GRPORunConfig.pretrained_model_name_or_path is not set: pass --pretrained_model_name_or_path, "
                                     "the model/ folder of a train_gpt.py, train_ldm.py or train_edit.py run.")
-        d = Path(p)
-        if not d.exists(): raise FileNotFoundError(f"--pretrained_model_name_or_path {p} does not exist.")
-        if is_hybrid_folder(d): return HybridPipeline.from_pretrained(d)
-        if (d/GPT_FILE).exists():
-            if json.loads((d/GPT_FILE).read_text()).get('task') == 'edit': return GPTEditor.from_pretrained(d)
-            return TextToImageGPT.from_pretrained(d)
-        if (d/GLIDE_FILE).exists() or (d/'image_noising_scheduler').is_dir():
+        if not Path(p).exists(): raise FileNotFoundError(f"--pretrained_model_name_or_path {p} does not exist.")
+        if model_class_name(p) in ('GlideDiffusion', 'GlideUpsampler'):
             raise ConfigError(f"{p} is a GLIDE model: GRPO fine-tunes a GLIDE upsampler as the decoder of a hybrid pipeline (a folder written "
                               "by imagegen.hybrid.HybridPipeline.save_pretrained), not a GLIDE model on its own; fine-tune a latent diffusion "
                               "(train_ldm.py), latent GPT (train_gpt.py) or hybrid pipeline folder.")
-        if (d/'unet').is_dir(): return LatentEditor.from_pretrained(d) if is_edit_folder(d) else LatentDiffusion.from_pretrained(d)
-        raise ConfigError(f"{p} holds neither {GPT_FILE} (a latent GPT) nor unet/ (a latent diffusion model): pass the model/ folder "
-                          "of a train_gpt.py, train_ldm.py or train_edit.py run.")
+        return load_model(p)
 
     def _reward(self, weights:dict[str, float]):
         return make_reward(weights, clip=self.clip_model if {'clip', 'aesthetic'} & set(weights) else None, graded=self.graded,
@@ -127,10 +116,10 @@ class GRPORunConfig(Config):
         "The GRPO task for the shared loop; the rewards' context is checked on one draw of prompts first."
         model = self.load_model()
         hybrid_opts = [f for f in ('stage', 'decoder_reward', 'decoder_group_size', 'decoder_guidance_scale', 'decoder_lr_scale') if getattr(self, f) is not None]
-        if isinstance(model, HybridPipeline): return self._build_hybrid(model, grpo)
+        family = family_of(model)
+        if family == 'hybrid': return self._build_hybrid(model, grpo)
         if hybrid_opts: raise ConfigError(f"{', '.join(hybrid_opts)}: options of hybrid pipeline runs; {self.pretrained_model_name_or_path} is a single model.")
-        diffusion = isinstance(model, LatentDiffusion)
-        editor = model.unet.config.in_channels > model.autoencoder.latent_channels if diffusion else bool(model.gpt.config.source_tokens)
+        diffusion, editor = family.startswith('ldm'), family.endswith('-edit')
         if not diffusion and (self.lora_rank is not None or self.train_steps is not None or self.train_text_encoder or self.use_same_noise
                               or self.untrained_eta is not None or self.text_encoder_lr is not None):
             raise ConfigError("lora_rank, train_steps, train_text_encoder, text_encoder_lr, use_same_noise and untrained_eta are options of latent diffusion runs; a latent "
@@ -174,10 +163,11 @@ class GRPOPolicy:
     "A GRPO run's policy without its rewards and prompts: the model as the run trained it (its LoRA adapters, its stage, its text encoder), with the task's `trainable` and `save_pretrained`."
     def __init__(self, model, lora_rank:int|None=None, lora_alpha:float|None=None, stage:str|None=None, train_text_encoder:bool=False):
         self.model, self.lora = model, lora_rank is not None
-        if isinstance(model, HybridPipeline):
+        family = family_of(model)
+        if family == 'hybrid':
             gpt, unet, stage = model.ar.gpt, model.decoder.unet, stage or 'both'
             self.trainable = gpt if stage == 'ar' else unet if stage == 'decoder' else Trainables(ar=gpt, decoder=unet)
-        elif isinstance(model, LatentDiffusion):
+        elif family.startswith('ldm'):
             if self.lora: add_lora(model.unet, lora_rank, lora_alpha)
             self.trainable = Trainables(unet=model.unet, text=model.text_encoder.model) if train_text_encoder else model.unet
         else: self.trainable = model.gpt

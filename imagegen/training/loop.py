@@ -734,7 +734,7 @@ INITIAL_MODEL = 'initial_model'
 def _save_initial_model(self:Trainer) -> Path|None:
     "A task that can reload itself (`save_pretrained` + `from_pretrained`) is saved once before the first step: the frozen parts and the starting weights, which `scripts/export_checkpoint.py` joins with any checkpoint's trained weights."
     path = self.out/INITIAL_MODEL
-    reloads = hasattr(type(self.task), 'from_pretrained') or hasattr(type(self.task), 'from_run')   # from_run: rebuilt with run_info.json (GRPO)
+    reloads = hasattr(type(self.task), 'from_pretrained') or hasattr(type(self.task), 'policy_class')   # policy_class: rebuilt with run_info.json (GRPO)
     if not (hasattr(self.task, 'save_pretrained') and reloads) or path.exists(): return None
     if self.acc.is_main_process:
         tmp = self.out/f"{TMP_PREFIX}{INITIAL_MODEL}"
