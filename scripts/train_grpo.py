@@ -42,6 +42,9 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     import dataclasses
     from imagegen.grids import save_grid
     from imagegen.training.loop import make_accelerator, train
+    if tcfg.batch_size != DEFAULTS['train'].batch_size:      # the task draws its own batches: the loader's batch size would be swallowed
+        raise ConfigError(f"--train_batch_size {tcfg.batch_size}: a GRPO step's batch is the task's own rollout, --prompts_per_step prompts x "
+                          f"--num_generations samples per process (now {cfg.prompts_per_step} x {gcfg.group_size}); set those instead.")
     if bool(tcfg.eval_steps) != bool(cfg.num_validation_prompts):
         raise ConfigError("--eval_steps and --num_validation_prompts go together: the evaluations score prompts held out of the training stream "
                           "(e.g. --eval_steps 25 --num_validation_prompts 64 --metric_for_best_model reward_mean).")

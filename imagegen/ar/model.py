@@ -19,7 +19,8 @@ from ..config import ConfigError
 
 # %% auto #0
 __all__ = ['POS_EMBEDDINGS', 'OUTPUT_HEADS', 'GPT_PRESETS', 'LatentGPTConfig', 'residual_projection', 'SelfAttention',
-           'CrossAttention', 'MLP', 'LatentGPTCache', 'Block', 'CodebookHead', 'LatentGPT', 'sample_from_logits']
+           'CrossAttention', 'MLP', 'LatentGPTCache', 'Block', 'CodebookHead', 'LatentGPT', 'sample_from_logits',
+           'mix_guidance_logits']
 
 # %% ../../nbs/05a_gpt.ipynb #fcfb0d50
 POS_EMBEDDINGS = ('learned', '2d')
@@ -488,6 +489,15 @@ def sample_from_logits(scores:torch.Tensor, generator:torch.Generator|list[torch
     u = _uniforms(generator, len(scores), scores.device) * cdf[:, -1:]
     return (cdf < u).sum(-1).clamp_max(scores.shape[-1] - 1)                          # (B,)
 
+# %% ../../nbs/05a_gpt.ipynb #47260aac
+def mix_guidance_logits(logits:torch.Tensor, guidance_scale:float, image_guidance_scale:float=1.0) -> torch.Tensor:
+    "Guided logits from the streams stacked along the batch: `(cond, uncond)` mixed as `u + g (c - u)`; with `image_guidance_scale` != 1 an editor's `(ts, s, u)` as `u + g (ts - s) + ig (s - u)`."
+    if image_guidance_scale != 1.0:
+        ts, s_, u = logits.chunk(3)
+        return u + guidance_scale * (ts - s_) + image_guidance_scale * (s_ - u)
+    c, u = logits.chunk(2)
+    return u + guidance_scale * (c - u)
+
 # %% ../../nbs/05a_gpt.ipynb #5edfad70
 @patch
 @torch.no_grad()
@@ -529,12 +539,7 @@ def generate_tokens(self:LatentGPT, encoder_hidden_states:torch.Tensor, encoder_
         else:                                                        # recompute the whole prefix
             out = self._forward(rows(tokens), e, cond, encoder_attention_mask, None, None, False, **memory)
         logits = out.logits[:, -1].float()                           # (B or 2B, V)
-        if three:                                                    # InstructPix2Pix's combination
-            ts, s_, u = logits.chunk(3)
-            logits = u + guidance_scale * (ts - s_) + image_guidance_scale * (s_ - u)
-        elif guided:
-            c, u = logits.chunk(2)
-            logits = u + guidance_scale * (c - u)                    # (B, V)
+        if guided: logits = mix_guidance_logits(logits, guidance_scale, image_guidance_scale)   # (B, V)
         if return_logits: kept.append(logits)
         scores = warpers(tokens, logits)
         nxt = sample_from_logits(scores, generator) if do_sample else scores.argmax(-1)

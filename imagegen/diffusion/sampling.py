@@ -20,7 +20,8 @@ from ..text import tiny_clip_tokenizer
 
 # %% auto #0
 __all__ = ['SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'clip_encoder', 'as_encoder', 'make_generators', 'draw_noise',
-           'draw_timesteps', 'sample_latents', 'sample', 'to_pipeline', 'sample_distributed']
+           'draw_timesteps', 'guidance_streams', 'mix_guidance', 'sample_latents', 'sample', 'to_pipeline',
+           'sample_distributed']
 
 # %% ../../nbs/04a_sampling.ipynb #6831c727
 def tiny_sd_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:
@@ -109,6 +110,19 @@ def _step_kwargs(scheduler, generator, eta:float) -> dict:
     params = inspect.signature(scheduler.step).parameters
     return {**({'eta': eta} if 'eta' in params else {}), **({'generator': generator} if 'generator' in params else {})}
 
+# %% ../../nbs/04a_sampling.ipynb #48396ecb
+def guidance_streams(cond:torch.Tensor, uncond:torch.Tensor, three:bool=False) -> torch.Tensor:
+    "The text embeddings of the guidance streams, stacked in the order `mix_guidance` reads: `(uncond, cond)`, or with image guidance `(cond, uncond, uncond)` (text + image, image, neither)."
+    return torch.cat([cond, uncond, uncond]) if three else torch.cat([uncond, cond])
+
+def mix_guidance(pred:torch.Tensor, guidance_scale:float, image_guidance_scale:float|None=None) -> torch.Tensor:
+    "One prediction from the streams' stacked predictions: `u + g (c - u)`, or with `image_guidance_scale` InstructPix2Pix's `u + g (ts - s) + ig (s - u)`."
+    if image_guidance_scale is not None:
+        ts, s, u = pred.chunk(3)
+        return u + guidance_scale * (ts - s) + image_guidance_scale * (s - u)
+    u, c = pred.chunk(2)
+    return u + guidance_scale * (c - u)
+
 # %% ../../nbs/04a_sampling.ipynb #fc1f7629
 @torch.no_grad()
 def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=None, *, guidance_scale:float=7.5,
@@ -121,8 +135,7 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
     cfg = three or guidance_scale != 1.0
     if cfg and uncond is None: raise ValueError("guidance_scale != 1 needs `uncond` embeddings (the empty or negative prompt).")
     if three and concat is None: raise ValueError("image_guidance_scale guides by an image: pass its latents as `concat`.")
-    emb = torch.cat([cond, uncond, uncond]) if three else torch.cat([uncond, cond]) if cfg else cond
-    emb = emb.to(dev, dtype)
+    emb = (guidance_streams(cond, uncond, three) if cfg else cond).to(dev, dtype)
     scheduler.set_timesteps(steps, device=dev)
     if hasattr(scheduler, 'set_begin_index'): scheduler.set_begin_index(0)  # count steps, never look t up: Karras spacing can repeat a timestep
     if latents is None: latents = randn_tensor((len(cond), *shape), generator=generator, device=dev, dtype=dtype)
@@ -141,14 +154,9 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
         if concat is not None: x = torch.cat([x, concat], dim=1)               # the condition is never scaled
         eps = unet(x, t, encoder_hidden_states=emb, return_dict=False, **extra)[0]
         eps, var = eps.split(c, dim=1) if eps.shape[1] == 2 * c else (eps, None)  # learned variance: (noise, variance) halves
-        if three:
-            eps_ti, eps_i, eps_u = eps.chunk(3)
-            eps = eps_u + guidance_scale * (eps_ti - eps_i) + image_guidance_scale * (eps_i - eps_u)
-            if var is not None: var = var.chunk(3)[0]
-        elif cfg:
-            eps_u, eps_c = eps.chunk(2)
-            eps = eps_u + guidance_scale * (eps_c - eps_u)
-            if var is not None: var = var.chunk(2)[1]
+        if cfg:
+            eps = mix_guidance(eps, guidance_scale, image_guidance_scale)
+            if var is not None: var = var.chunk(3)[0] if three else var.chunk(2)[1]   # the conditional stream's variance
         if var is not None and learned: eps = torch.cat([eps, var], dim=1)
         latents = scheduler.step(eps, t, latents, **kw, return_dict=False)[0]
         if callback is not None: callback(i + 1, len(ts), latents)

@@ -11,7 +11,7 @@ import torch
 from diffusers import DDIMScheduler
 from diffusers.utils.torch_utils import randn_tensor
 from ..config import ConfigError, UserError
-from ..diffusion.sampling import draw_noise, make_scheduler
+from ..diffusion.sampling import draw_noise, guidance_streams, make_scheduler, mix_guidance
 from ..edits import prepare_sources
 from ..text import text_states
 from .grpo import GRPOConfig, Route, RunPolicy, Trainables, clipped_objective, group_advantages
@@ -54,7 +54,7 @@ def guided_prediction(unet, x:torch.Tensor, t, cond:torch.Tensor, uncond:torch.T
     cfg = three or guidance_scale != 1.0
     if cfg and uncond is None: raise ValueError("guidance needs `uncond` (the empty prompt's embeddings).")
     k = 3 if three else 2 if cfg else 1
-    emb = torch.cat([cond, uncond, uncond]) if three else torch.cat([uncond, cond]) if cfg else cond
+    emb = guidance_streams(cond, uncond, three) if cfg else cond
     inp = torch.cat([x] * k)
     if source is not None:
         src = torch.cat([source, source, torch.zeros_like(source)]) if three else torch.cat([source] * k)
@@ -62,13 +62,7 @@ def guided_prediction(unet, x:torch.Tensor, t, cond:torch.Tensor, uncond:torch.T
     labels = {} if class_labels is None else dict(class_labels=torch.cat([class_labels] * k))
     out = unet(inp, t, encoder_hidden_states=emb.to(inp.dtype), return_dict=False, **labels)[0]
     out = out[:, :x.shape[1]]                # a UNet that also predicts its variance (GLIDE's): the noise half
-    if three:
-        ts, s, u = out.chunk(3)
-        return u + guidance_scale * (ts - s) + image_guidance_scale * (s - u)
-    if cfg:
-        u, c = out.chunk(2)
-        return u + guidance_scale * (c - u)
-    return out
+    return mix_guidance(out, guidance_scale, image_guidance_scale if three else None) if cfg else out
 
 # %% ../../nbs/06d_diffusion_grpo.ipynb #0e8e34bb
 def rollout_scheduler(model, num_inference_steps:int=10) -> DDIMScheduler:

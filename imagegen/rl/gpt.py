@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 import torch
 import copy
+from ..ar.model import mix_guidance_logits
 from ..ar.task import GPTConfig, TextToImageGPT
 from ..config import ConfigError, UserError
 from ..edits import prepare_sources
@@ -75,12 +76,7 @@ def gpt_logprobs(model:TextToImageGPT, tokens:torch.Tensor, prompts:Sequence[str
     try:
         logits = module(torch.cat([tokens] * k), torch.cat([text] * k), torch.cat([cond] + [off] * (k - 1)), **src).logits
         logits = logits[:, :tokens.shape[1]].float()                                      # slot i predicts token i
-        if three:
-            ts, s_, u = logits.chunk(3)
-            logits = u + guidance_scale * (ts - s_) + image_guidance_scale * (s_ - u)      # InstructPix2Pix's combination
-        elif guided:
-            c, u = logits.chunk(2)
-            logits = u + guidance_scale * (c - u)                                        # as the sampler mixes them
+        if guided: logits = mix_guidance_logits(logits, guidance_scale, image_guidance_scale if three else 1.0)   # as the sampler mixes them
         return (logits / temperature).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
     finally: module.train(was)
 

@@ -108,6 +108,10 @@ class GRPORunConfig(Config):
                               "(train_ldm.py), latent GPT (train_gpt.py) or hybrid pipeline folder.")
         return load_model(p)
 
+    def _options(self, *names:str) -> dict:
+        "The fields `names` of this config, by name: each task takes its options as keywords, never by position."
+        return {n: getattr(self, n) for n in names}
+
     def _reward(self, weights:dict[str, float]):
         return make_reward(weights, clip=self.clip_model if {'clip', 'aesthetic'} & set(weights) else None, graded=self.graded,
                            aesthetic_head=self.aesthetic_head)
@@ -131,11 +135,11 @@ class GRPORunConfig(Config):
         _, ctx = prompts(2, seed=0)
         for r, _ in reward.terms: r.check_context(2, ctx)
         if diffusion:
-            task = DiffusionGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.num_inference_steps, self.eta,
-                                 self.train_steps, self.inner_steps, self.image_guidance_scale, self.lora_rank, self.lora_alpha,
-                                 self.train_text_encoder, self.use_same_noise, self.untrained_eta, self.text_encoder_lr)
-        else: task = GPTGRPO(model, reward, prompts, grpo, self.prompts_per_step, self.guidance_scale, self.temperature,
-                             self.ratio_on, self.inner_steps, self.image_guidance_scale)
+            task = DiffusionGRPO(model, reward, prompts, grpo, **self._options('prompts_per_step', 'guidance_scale', 'num_inference_steps', 'eta',
+                                 'train_steps', 'inner_steps', 'image_guidance_scale', 'lora_rank', 'lora_alpha', 'train_text_encoder',
+                                 'use_same_noise', 'untrained_eta', 'text_encoder_lr'))
+        else: task = GPTGRPO(model, reward, prompts, grpo, **self._options('prompts_per_step', 'guidance_scale', 'temperature', 'ratio_on',
+                                                                            'inner_steps', 'image_guidance_scale'))
         if self.num_validation_prompts: task.hold_out_validation(self.num_validation_prompts)
         return task
 
@@ -153,10 +157,11 @@ class GRPORunConfig(Config):
         _, ctx = prompts(2, seed=0)
         ctx = {'tokens': [None, None], 'targets': [None, None], **ctx}       # the task gives both: the sampled grids, the layouts' images
         for r, _ in ar_reward.terms + dec_reward.terms: r.check_context(2, ctx)
-        return HybridGRPO(pipe, ar_reward, prompts, dec_reward, self.stage or 'both', grpo, self.prompts_per_step, self.decoder_group_size or 2,
-                          self.guidance_scale, self.temperature, self.ratio_on, self.num_inference_steps,
-                          1.0 if self.decoder_guidance_scale is None else self.decoder_guidance_scale, self.eta, self.train_steps,
-                          None, self.inner_steps, 1.0 if self.decoder_lr_scale is None else self.decoder_lr_scale)
+        return HybridGRPO(pipe, ar_reward, prompts, dec_reward, stage=self.stage or 'both', grpo=grpo, decoder_group_size=self.decoder_group_size or 2,
+                          decoder_steps=self.num_inference_steps, decoder_train_steps=self.train_steps,
+                          decoder_guidance=1.0 if self.decoder_guidance_scale is None else self.decoder_guidance_scale,
+                          decoder_lr_scale=1.0 if self.decoder_lr_scale is None else self.decoder_lr_scale,
+                          **self._options('prompts_per_step', 'guidance_scale', 'temperature', 'ratio_on', 'eta', 'inner_steps'))
 
 # %% ../../nbs/06e_grpo_run.ipynb #b7e1c0a2
 class GRPOPolicy:
