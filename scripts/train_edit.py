@@ -8,7 +8,7 @@ from imagegen.models import build_editor, family_of
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/edit', lr=1e-4, max_steps=5000, batch_size=32, warmup_steps=100, ema=True,
-                                  ema_decay=0.999, n_samples=8, tags={'task': 'edit'}),
+                                  ema_decay=0.999, sample_every=500, n_samples=8, tags={'task': 'edit'}),
                 model=EditConfig(), data=EditDataConfig())
 FLAGS = TRAIN_FLAGS + DATA_FLAGS + [Flag('--cache_dir', ('model.cache_dir', 'data.cache_dir'))]
 

@@ -9,10 +9,10 @@ from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 STAGES = {'base': GlideDiffusion, 'upsample': GlideUpsampler}
 DEFAULTS = {'base': dict(train=TrainConfig(output_dir='runs/glide', lr=1e-4, max_steps=10000, batch_size=32, warmup_steps=100,
-                                           ema=True, ema_decay=0.9999, n_samples=8, tags={'model': 'glide', 'stage': 'base'}),
+                                           ema=True, ema_decay=0.9999, sample_every=500, n_samples=8, tags={'model': 'glide', 'stage': 'base'}),
                          model=GlideConfig(), data=DataConfig()),
             'upsample': dict(train=TrainConfig(output_dir='runs/glide_upsampler', lr=1e-4, max_steps=10000, batch_size=8, warmup_steps=100,
-                                               ema=True, ema_decay=0.9999, n_samples=4, tags={'model': 'glide', 'stage': 'upsample'}),
+                                               ema=True, ema_decay=0.9999, sample_every=500, n_samples=4, tags={'model': 'glide', 'stage': 'upsample'}),
                              model=UpsamplerConfig(), data=DataConfig())}
 FLAGS = TRAIN_FLAGS + DATA_FLAGS + [Flag('--preset', 'model.preset'), Flag('--ema_rate', 'train.ema_decay'),
                                     Flag('--uncond_p', 'model.uncond_p'), Flag('--cache_dir', 'data.cache_dir')]

@@ -7,7 +7,7 @@ from imagegen.data import DATA_FLAGS, collect_captions, is_shapes, shapes_prompt
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/gpt', lr=3e-4, adam_betas=(0.9, 0.95), weight_decay=0.05, lr_scheduler='cosine',
-                                  warmup_steps=100, max_steps=10000, batch_size=32, n_samples=8, experiment='auto'),
+                                  warmup_steps=100, max_steps=10000, batch_size=32, sample_every=500, n_samples=8, experiment='auto'),
                 model=GPTConfig(), data=GPTDataConfig())
 FLAGS = TRAIN_FLAGS + DATA_FLAGS + [Flag('--preset', 'model.preset'),
                                     Flag('--cache_dir', ('model.cache_dir', 'data.cache_dir')),

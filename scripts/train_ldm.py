@@ -7,7 +7,7 @@ from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig, LDMDataConfig
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/ldm', lr=1e-4, max_steps=10000, batch_size=32, warmup_steps=100, ema_decay=0.999,
-                                  n_samples=8, tags={'model': 'ldm'}),
+                                  sample_every=500, n_samples=8, tags={'model': 'ldm'}),
                 model=LDMConfig(), data=LDMDataConfig())
 FLAGS = TRAIN_FLAGS + DATA_FLAGS + [Flag('--preset', 'model.preset'),
                                     Flag('--cache_dir', ('model.cache_dir', 'data.cache_dir')),

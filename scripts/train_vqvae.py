@@ -7,7 +7,7 @@ from imagegen.data import DATA_FLAGS, DataConfig
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig, train
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/vqvae', lr=1e-3, lr_scheduler='cosine', warmup_steps=50, max_steps=2000, batch_size=32,
-                                  sample_every=250, n_samples=8, experiment='vqvae-training', tags={'model': 'vqvae'}),
+                                  sample_every=250, n_samples=8, experiment='vqvae-training', tags={'model': 'vqvae', 'phase': 'vqvae-training'}),
                 model=VQConfig(), data=DataConfig())
 FLAGS = TRAIN_FLAGS + DATA_FLAGS
 

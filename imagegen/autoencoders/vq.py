@@ -348,6 +348,14 @@ def from_pretrained(cls:VQVAETask, path:str|Path, **kwargs) -> VQVAETask:
     vq = VQModel.from_pretrained(str(p))
     return cls(vq, cfg or VQConfig(codebook_size=vq.config.num_vq_embeddings, code_dim=vq.quantize.vq_embed_dim), **kwargs)
 
+# %% ../../nbs/03b_vq.ipynb #d394d20b
+@patch
+def model_info(self:VQVAETask) -> dict:
+    "Derived facts about the model for `run_info.json` and the tracker (`model_info/*`), as the latent GPT's `model_info` gives them."
+    c, h = self.config, self.config.resolution // self.config.downsample_factor
+    return {'codebook_size': c.codebook_size, 'code_dim': c.code_dim, 'downsample_factor': c.downsample_factor, 'token_grid': f"{h}x{h}",
+            'parameters': sum(p.numel() for p in self.vqmodel.parameters())}
+
 # %% ../../nbs/03b_vq.ipynb #bb543cb2
 class VQTokenizer(nn.Module):
     "Frozen VQ first stage: `encode(images) -> token ids (B, h, w)`, `decode(token ids) -> images`; wraps a diffusers `VQModel`."

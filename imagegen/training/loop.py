@@ -373,7 +373,7 @@ def _apply_changes(self:Trainer, ckpt:Path, st:dict):
                           "start a new output_dir to train a shorter run.")
     info = ckpt/'run_info.json'
     old = json.loads(info.read_text()).get('config', {}) if info.exists() else {}
-    new = json.loads(json.dumps(run_info(self.cfg, None, self.sections)['config'], default=str))   # as the checkpoint stored it
+    new = json.loads(json.dumps(run_info(self.cfg, self.acc, self.sections)['config'], default=str))   # as the checkpoint stored it, launcher included
     skip = {'resume', 'run_name', 'output_dir'}
     changes = [(f"{sec}.{k}", ov, new[sec].get(k)) for sec in new if sec in old and isinstance(old[sec], dict) and isinstance(new[sec], dict)
                for k, ov in old[sec].items() if k not in skip and k in new[sec] and new[sec].get(k) != ov]
