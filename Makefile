@@ -1,7 +1,8 @@
 # imagegen build file. Every target installs what it needs into $(VENV) first.
 #   make main     the main job (see README)
 #   make test     everything CI checks: notebooks clean + in sync, imports, pytest, nbdev_test
-#   make nbtest   the notebooks alone (NB_FLAGS="slow cuda" adds the flagged cells)
+#   make nbtest   the notebooks alone (NB_FLAGS="slow cuda" adds the flagged cells; NB_FLAGS=main, after the main jobs, the
+#                 cells that picture their models at the end of every model chapter)
 #   make export   notebooks -> imagegen/ + scripts/ (nbdev_clean, nbdev_export, script export, stale removal)
 SHELL := /bin/bash
 VENV ?= .venv

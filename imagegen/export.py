@@ -125,7 +125,7 @@ def export_all(root:Path|str='.') -> None:
 
 # %% ../nbs/99_export.ipynb #80155500
 TEACHING_NOTEBOOKS = ('00a_grids', '01_shapes', '01a_data', '01c_edits', '02c_loop', '03a_kl', '03b_vq', '04a_sampling', '04b_ldm', '07a_metrics', '07b_interactive')
-SKIP_FLAGS = ('slow', 'cuda', 'multigpu')
+SKIP_FLAGS = ('slow', 'cuda', 'multigpu', 'main')   # settings.ini's tst_flags, less notest
 
 def _directives(src:str) -> dict[str, str]:
     "`#| key value` lines at the top of a cell."
@@ -144,7 +144,7 @@ def image_outputs(outputs:list, max_kb:int=150) -> list:
         if png and len(''.join(png)) <= max_kb * 1024: keep.append({'output_type': 'display_data', 'data': {'image/png': png}, 'metadata': {}})
     return keep
 
-def refresh_images(nb_path:str|Path, max_kb:int=150) -> int:
+def refresh_images(nb_path:str|Path, max_kb:int=150, flags:tuple[str, ...]=()) -> int:
     "Run the fast cells of notebook `nb_path` and store only their image outputs in it; returns how many images it keeps."
     from execnb.nbio import read_nb, write_nb
     from execnb.shell import CaptureShell
@@ -153,7 +153,7 @@ def refresh_images(nb_path:str|Path, max_kb:int=150) -> int:
     def skip(cell):
         if cell.cell_type != 'code': return True
         d = _directives(cell.source)
-        return d.get('eval', '').lower() == 'false' or any(f in d for f in SKIP_FLAGS)
+        return d.get('eval', '').lower() == 'false' or any(f in d for f in SKIP_FLAGS if f not in flags)
     def keep(cell): cell.outputs = image_outputs(cell.get('outputs', []), max_kb)
     old, env = os.getcwd(), os.environ.get('IN_TEST')
     os.environ['IN_TEST'] = '1'   # as under nbdev_test: export cells do not write files
@@ -207,18 +207,19 @@ def check_sync(root:Path|str='.') -> list[str]:
 
 # %% ../nbs/99_export.ipynb #fbfd9554
 def main(argv:list[str]|None=None) -> int:
-    "Entry point of `imagegen-export [--check] [--images [NOTEBOOK ...]]`."
+    "Entry point of `imagegen-export [--check] [--images [NOTEBOOK ...] [--flags FLAG ...]]`."
     import argparse
     p = argparse.ArgumentParser(prog='imagegen-export', description='Export nbs/ to imagegen/ and scripts/, or check that they are in sync.')
     p.add_argument('--check', action='store_true', help='only check; exit 1 when notebooks are unclean or generated files are stale')
     p.add_argument('--images', nargs='*', metavar='NOTEBOOK', help=f"first re-run these notebooks (default: {', '.join(TEACHING_NOTEBOOKS)}) and keep their image outputs")
+    p.add_argument('--flags', nargs='*', default=[], metavar='FLAG', help="with --images: also run the cells of these flags (e.g. main, after the main jobs)")
     a = p.parse_args(argv)
     root = find_root()
     if a.images is not None:
         for name in a.images or TEACHING_NOTEBOOKS:
             nb = next(iter((root/'nbs').glob(f"**/{Path(name).stem}.ipynb")), None)
             if nb is None: p.error(f"no notebook {name!r} in nbs/")
-            print(f"{nb.relative_to(root)}: {refresh_images(nb)} images")
+            print(f"{nb.relative_to(root)}: {refresh_images(nb, flags=tuple(a.flags))} images")
     if a.check:
         problems = check_sync(root)
         for m in problems: print(f"OUT OF SYNC: {m}", file=sys.stderr)

@@ -18,8 +18,8 @@ from .edits import EditConfig
 from .hybrid import HYBRID_FILE, HybridPipeline
 
 # %% auto #0
-__all__ = ['MODEL_CLASSES', 'FAMILIES', 'PIPELINE_CLASSES', 'RECORD_FILES', 'EDITOR_CLASSES', 'family_of', 'UnknownModelError',
-           'describe_folder', 'model_class_name', 'load_model', 'build_editor']
+__all__ = ['MODEL_CLASSES', 'FAMILIES', 'PIPELINE_CLASSES', 'RECORD_FILES', 'EDITOR_CLASSES', 'MAIN_JOBS', 'family_of',
+           'UnknownModelError', 'describe_folder', 'model_class_name', 'load_model', 'build_editor', 'main_job_model']
 
 # %% ../nbs/05e_models.ipynb #10541df8
 MODEL_CLASSES:dict[str, type] = {c.__name__: c for c in (LatentDiffusion, LatentEditor, GlideDiffusion, GlideUpsampler, TextToImageGPT,
@@ -115,3 +115,19 @@ def build_editor(cfg:EditConfig):
         raise ConfigError(f"--pretrained_model_name_or_path {p} is a {name}: an editor starts from a latent diffusion or latent GPT model "
                           "(text-to-image or editor).")
     return EDITOR_CLASSES[name].from_edit_config(cfg)
+
+# %% ../nbs/05e_models.ipynb #73165a69
+MAIN_JOBS:dict[str, tuple[str, str]] = {   # family -> (its model folder under runs/main, the command that trains it)
+    'ldm': ('ldm/model', 'make main'), 'gpt': ('gpt/model', 'make main FAMILY=gpt'), 'glide': ('glide/model', 'make main FAMILY=glide'),
+    'glide-upsampler': ('glide_upsampler/model', 'make main FAMILY=glide'), 'ldm-edit': ('ldm-edit/model', 'make main TASK=edit'),
+    'gpt-edit': ('gpt-edit/model', 'make main TASK=edit FAMILY=gpt')}
+
+def main_job_model(family:str, main:str|Path|None=None, **kwargs):
+    "The model that `make main` trained for `family` (a key of `MAIN_JOBS`), from `main` (default: `$IMAGEGEN_MAIN`, else the repository's `runs/main`)."
+    import os
+    from .export import find_root
+    if family not in MAIN_JOBS: raise ValueError(f"family {family!r}: the main jobs train {', '.join(MAIN_JOBS)}.")
+    folder, command = MAIN_JOBS[family]
+    main = Path(main or os.environ.get('IMAGEGEN_MAIN') or find_root()/'runs'/'main')
+    if not (main/folder).is_dir(): raise FileNotFoundError(f"{main/folder} does not exist: run `{command}` first (or point IMAGEGEN_MAIN at its runs/main).")
+    return load_model(main/folder, **kwargs)
