@@ -125,7 +125,7 @@ MAIN_JOBS:dict[str, tuple[str, str]] = {   # family -> (its model folder under r
 def main_job_model(family:str, main:str|Path|None=None, **kwargs):
     "The model that `make main` trained for `family` (a key of `MAIN_JOBS`), from `main` (default: `$IMAGEGEN_MAIN`, else the repository's `runs/main`)."
     import os
-    from .export import find_root
+    from imagegen.export import find_root
     if family not in MAIN_JOBS: raise ValueError(f"family {family!r}: the main jobs train {', '.join(MAIN_JOBS)}.")
     folder, command = MAIN_JOBS[family]
     main = Path(main or os.environ.get('IMAGEGEN_MAIN') or find_root()/'runs'/'main')
