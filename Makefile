@@ -59,7 +59,7 @@ test: check sysdeps
 
 # nbdev_test runs one notebook per core, in parallel. Each would also start one torch thread per core, and on
 # oversubscribed cores the small models' many short parallel ops wait for each other at every barrier: one thread per
-# notebook (OMP_NUM_THREADS=1) keeps every core busy with useful work. README, "Test", has the measurement.
+# notebook (OMP_NUM_THREADS=1) keeps every core busy with useful work. nbs/experiments/11_test_suite_timings.ipynb has the measurement.
 NB_FLAGS ?=
 nbtest: install
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --timing $(if $(NB_FLAGS),--flags "$(NB_FLAGS)")
@@ -76,12 +76,12 @@ nbtest: install
 #   sampled and scored: edit accuracy (change made, rest unchanged), per kind, and SSIM to the target.
 # LEVEL=mixed (TASK=t2i): every stage trains on one- and two-object scenes in turn (level 1, the default: one object),
 #   and the text-to-image model is also scored on 200 held-out two-object prompts with a relation (SAMPLES-level2/);
-#   the starting point of reward fine-tuning for relations (README, "Reward fine-tuning with GRPO")
+#   the starting point of reward fine-tuning for relations (nbs/experiments/05_grpo_heldout_pairs.ipynb, 06_grpo_relations.ipynb)
 # VAE_STEPS / LDM_STEPS (ldm), VQ_STEPS / GPT_STEPS (gpt), GLIDE_STEPS / UP_STEPS (glide) and EDIT_STEPS (TASK=edit)
 # override the recipes' step counts. LEVEL=mixed trains latent diffusion 7000 steps, twice the recipe's, with mirror
 # flips (--random_flip: "left" and "right" swapped in the captions with the image): at 3500 steps it does not learn the
 # relation words from mixed scenes; at 7000 without flips the vertical ones every time, "left"/"right" in one of two
-# runs; with every scene also seen mirrored, all of them (README, "Mirrored scenes teach left and right").
+# runs; with every scene also seen mirrored, all of them (nbs/experiments/06_grpo_relations.ipynb, "Mirrored scenes teach left and right").
 FAMILY ?= ldm
 TASK ?= t2i
 LEVEL ?= 1
@@ -100,10 +100,10 @@ N_TRAIN ?= 10000
 LAUNCH := $(BIN)/accelerate launch $(if $(ACCELERATE_USE_CPU),--num_processes 1 --num_cpu_threads_per_process $(shell nproc),)
 TRAIN_DATA = $(MAIN)/shapes/imagefolder/train
 # TASK=edit trains its first stage (VAE or VQ-VAE) on one- and two-object scenes in turn: its editors add and remove a
-# second object, which a first stage trained on the single-object folder drops (first-stage ceilings in the README);
+# second object, which a first stage trained on the single-object folder drops (first-stage ceilings in nbs/experiments/04_editing.ipynb);
 # text-to-image keeps that folder
 FIRST_STAGE_DATA = $(if $(filter edit,$(TASK)),--dataset_name shapes:level=mixed,--train_data_dir $(TRAIN_DATA))
-# LEVEL=mixed: latent diffusion sees every scene mirrored too (its "left"/"right": README, "Mirrored scenes teach left and right")
+# LEVEL=mixed: latent diffusion sees every scene mirrored too (its "left"/"right": nbs/experiments/06_grpo_relations.ipynb)
 LDM_LEVEL_ARGS = $(if $(filter mixed,$(LEVEL)),--random_flip true)
 define TRAIN_ldm
 	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_vae.yaml --output_dir $(MAIN)/vae \
@@ -113,7 +113,7 @@ define TRAIN_ldm
 	$(PY) scripts/sample.py --model $(MAIN)/ldm/model --shapes_split test --n $(N_EVAL) --sampler dpmpp_2m --steps 20 --guidance 4 --out $(MAIN)/samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/samples
 endef
-# LEVEL=mixed: the codebook head also gets a free row per code (its two-object shapes and sizes: README, "Two objects with a relation")
+# LEVEL=mixed: the codebook head also gets a free row per code (its two-object shapes and sizes: nbs/experiments/06_grpo_relations.ipynb)
 GPT_LEVEL_ARGS = $(if $(filter mixed,$(LEVEL)),--head_free_rows true)
 define TRAIN_gpt
 	$(LAUNCH) scripts/train_vqvae.py --config scripts/configs/main_vqvae.yaml --output_dir $(MAIN)/vqvae \
@@ -138,7 +138,7 @@ define TRAIN_glide
 endef
 T2I_ldm := $(MAIN)/ldm/model
 T2I_gpt := $(MAIN)/gpt/model
-# image guidance of the held-out edit samples, per family: the best on 200 validation edits (README)
+# image guidance of the held-out edit samples, per family: the best on 200 validation edits (nbs/experiments/04_editing.ipynb)
 EDIT_IMAGE_GUIDANCE_ldm ?= 2
 EDIT_IMAGE_GUIDANCE_gpt ?= 1.5
 define EDIT

@@ -124,7 +124,7 @@ def export_all(root:Path|str='.') -> None:
         print(f"removed stale {p.relative_to(root)}")
 
 # %% ../nbs/99_export.ipynb #80155500
-TEACHING_NOTEBOOKS = ('00a_grids', '01_shapes', '01a_data', '01c_edits', '02c_loop', '03a_kl', '03b_vq', '04a_sampling', '04b_ldm', '07a_metrics', '07b_interactive')
+TEACHING_NOTEBOOKS = ('00a_grids', '00_shapes', '01a_data', '01c_edits', '02c_loop', '03a_kl', '03b_vq', '04a_sampling', '04b_ldm', '07a_metrics', '07b_interactive')
 SKIP_FLAGS = ('slow', 'cuda', 'multigpu', 'main')   # settings.ini's tst_flags, less notest
 
 def _directives(src:str) -> dict[str, str]:

@@ -2,7 +2,7 @@
 family (ranks in sync, only rank 0 writes, the model folder each family's users load), then scripts/sample.py on
 held-out Shapes edits on 2 ranks against 1 (same rows, same images), and scripts/evaluate.py's edit metrics over all
 of them. The models are tiny and barely trained: these tests check the plumbing; the accuracy proof is
-`make main TASK=edit` (README)."""
+`make main TASK=edit` (README, nbs/experiments/04_editing.ipynb)."""
 import json, sys
 from pathlib import Path
 import numpy as np, pytest, torch

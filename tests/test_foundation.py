@@ -83,7 +83,7 @@ def test_check_passes_on_repo():
 
 def test_edited_notebook_without_export_fails(tmp_path):
     r = _copy_repo(tmp_path)
-    nbp = r/'nbs'/'00_diagnostics.ipynb'
+    nbp = r/'nbs'/'98_diagnostics.ipynb'
     nb = json.loads(nbp.read_text())
     cell = next(c for c in nb['cells'] if c['cell_type'] == 'code' and ''.join(c['source']).startswith('#| export\ndef gpu_info'))
     cell['source'] = ''.join(cell['source']).replace('One dict per visible GPU', 'Edited docstring')
@@ -97,18 +97,18 @@ def test_edited_notebook_without_export_fails(tmp_path):
 
 def test_unclean_notebook_fails(tmp_path):
     r = _copy_repo(tmp_path)
-    nbp = r/'nbs'/'00_diagnostics.ipynb'
+    nbp = r/'nbs'/'98_diagnostics.ipynb'
     nb = json.loads(nbp.read_text())
     nb['cells'][2]['execution_count'] = 7
     nb['metadata']['widgets'] = None; nb['metadata']['language_info'] = {'name': 'python'}
     nbp.write_text(json.dumps(nb, indent=1) + '\n')
     p = run([str(BIN/'imagegen-export'), '--check'], cwd=r, check=False)
-    assert p.returncode == 1 and 'nbs/00_diagnostics.ipynb is not clean' in p.stderr, p.stderr
+    assert p.returncode == 1 and 'nbs/98_diagnostics.ipynb is not clean' in p.stderr, p.stderr
 
 def test_export_removes_stale_files(tmp_path):
     r = _copy_repo(tmp_path)
     (r/'nbs'/'scripts'/'10_diagnose_distributed.ipynb').rename(r/'nbs'/'scripts'/'10_check_ranks.ipynb')
-    shutil.copy(r/'nbs'/'00_diagnostics.ipynb', r/'nbs'/'98_tmp.ipynb')
+    shutil.copy(r/'nbs'/'98_diagnostics.ipynb', r/'nbs'/'98_tmp.ipynb')
     nb = json.loads((r/'nbs'/'98_tmp.ipynb').read_text())
     for c in nb['cells']:
         c['source'] = ''.join(c['source']).replace('#| default_exp diagnostics', '#| default_exp tmpmod')

@@ -69,33 +69,33 @@ def test_example_configs_resolve(path):
     name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
     run_ = resolve(name, ['--config', str(path)], stage)
     assert set(run_) == ({'train', 'model', 'grpo'} if grpo else {'train', 'model', 'data'})
-    if path.stem == 'grpo_hybrid_ar_shapes':   # the hybrid's AR-stage recipe (README): the GPT alone, the oracle on set A's 128 px images
+    if path.stem == 'grpo_hybrid_ar_shapes':   # the hybrid's AR-stage recipe (nbs/experiments): the GPT alone, the oracle on set A's 128 px images
         m, t = run_['model'], run_['train']
         assert (m.stage, m.reward, m.decoder_group_size, m.num_inference_steps, m.prompt_split, m.prompt_pairs) == (
             'ar', {'oracle': 1.0}, 1, 8, 'test', ['red triangle', 'blue circle', 'magenta triangle'])
         assert (t.max_steps, t.lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.prompts_per_step, m.inner_steps) == (200, 3e-5, 8, 0.04, 4, 2)
-    elif path.stem == 'grpo_hybrid_both_shapes':   # the joint recipe (README): both stages, each its own reward and rate
+    elif path.stem == 'grpo_hybrid_both_shapes':   # the joint recipe (nbs/experiments): both stages, each its own reward and rate
         m, t = run_['model'], run_['train']
         assert (m.stage, m.reward, m.decoder_reward, m.decoder_group_size, m.num_inference_steps, m.train_steps) == (
             'both', {'oracle': 1.0}, {'ssim': 1.0, 'oracle': 0.5}, 2, 8, 2)
         assert (m.prompt_split, m.prompt_pairs, m.prompts_per_step, m.inner_steps) == ('test', ['red triangle', 'blue circle', 'magenta triangle'], 2, 2)
         assert (t.max_steps, t.lr, round(t.lr * m.decoder_lr_scale, 9), run_['grpo'].group_size, run_['grpo'].kl_coef) == (100, 3e-5, 1e-5, 8, 0.04)
-    elif path.stem == 'grpo_hybrid_decoder_shapes':   # the measured hybrid recipe (README): the decoder alone, fidelity to the layout
+    elif path.stem == 'grpo_hybrid_decoder_shapes':   # the measured hybrid recipe (nbs/experiments): the decoder alone, fidelity to the layout
         m, t = run_['model'], run_['train']
         assert (m.stage, m.decoder_reward, m.decoder_group_size, m.num_inference_steps, m.train_steps) == ('decoder', {'ssim': 1.0, 'oracle': 0.5}, 4, 8, None)
         assert (t.max_steps, t.lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.prompts_per_step, m.inner_steps) == (50, 1e-5, 2, 0.04, 2, 2)
-    elif grpo and path.stem.endswith('_relation'):   # the measured relation recipes (README): two-object prompts of the training split only
+    elif grpo and path.stem.endswith('_relation'):   # the measured relation recipes (nbs/experiments): two-object prompts of the training split only
         m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward) == ('train', 2, None, {'oracle': 1.0})
         assert (run_['train'].max_steps, run_['grpo'].group_size, run_['grpo'].kl_coef, run_['train'].lr) == (200, 8, 0.04, 1e-5 if ldm else 3e-5)
-    elif path.stem.endswith('_heldout_pairs'):   # the held-out-pair recipes (README): test-split two-object prompts, the evaluation's own excluded
+    elif path.stem.endswith('_heldout_pairs'):   # the held-out-pair recipes (nbs/experiments): test-split two-object prompts, the evaluation's own excluded
         m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert (m.prompt_split, m.prompt_level, m.prompt_pairs, m.reward, m.prompt_exclude) == (
             'test', 2, None, {'oracle': 1.0}, f"runs/main/{'samples' if ldm else 'gpt-samples'}-level2/samples.jsonl")
         assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef, m.inner_steps) == (
             (200, 1e-5, 8, 0.04, 2) if ldm else (800, 3e-5, 8, 0.04, 2))
         if ldm: assert (m.num_inference_steps, m.train_steps, m.guidance_scale, m.lora_rank) == (10, 5, 4.0, None)
-    elif path.stem == 'grpo_ldm_order':   # the measured order recipe (README "A validation reward and the best model")
+    elif path.stem == 'grpo_ldm_order':   # the measured order recipe (nbs/experiments/06_grpo_relations, "A validation reward and the best model")
         m, t, g = run_['model'], run_['train'], run_['grpo']
         assert (m.prompt_split, m.prompt_level, m.prompt_relations, m.reward, m.prompt_exclude) == (
             'test', 2, ['left of', 'right of'], {'oracle': 1.0, 'relation': 1.0}, 'runs/main/samples-level2/samples.jsonl')
@@ -107,7 +107,7 @@ def test_example_configs_resolve(path):
         m = run_['model']
         assert (m.prompts, m.prompt_split, m.reward, m.num_inference_steps, m.train_steps) == ('shapes-text', 'train', {'ocr': 1.0}, 10, 5)
         assert (run_['train'].max_steps, run_['train'].lr, run_['grpo'].group_size, run_['grpo'].kl_coef) == (150, 3e-5, 8, 0.04)
-    elif grpo:   # the measured recipes (README): 200 steps on three of the held-out pairs, 8 samples per prompt; the GPT's without a KL term
+    elif grpo:   # the measured recipes (nbs/experiments): 200 steps on three of the held-out pairs, 8 samples per prompt; the GPT's without a KL term
         m, ldm = run_['model'], path.stem.startswith('grpo_ldm')
         assert type(m).__name__ == 'GRPORunConfig' and run_['train'].max_steps == 200 and run_['grpo'].group_size == 8
         assert (m.prompt_split, m.prompt_pairs) == ('test', ['red triangle', 'blue circle', 'magenta triangle'])
@@ -115,28 +115,28 @@ def test_example_configs_resolve(path):
         assert (run_['grpo'].kl_coef, run_['train'].lr) == ((0.04, 1e-5) if ldm else (0.0, 3e-5))
         if ldm: assert (m.num_inference_steps, m.train_steps, m.guidance_scale, m.lora_rank) == (10, 5, 4.0, None)
     if edit: assert type(run_['model']).__name__ == 'EditConfig' and type(run_['data']).__name__ == 'EditDataConfig'
-    if path.stem == 'main_edit_ldm': assert run_['model'].source_lr_scale == 10   # the measured recipe (README)
-    if path.stem == 'main_edit_gpt': assert (run_['model'].token_noise, run_['train'].max_steps) == (0.95, 3000)   # the measured recipe (README)
-    if stage:   # the measured upsampler recipe (README): 64 px crops, the condition skip, little augmentation, none at sampling
+    if path.stem == 'main_edit_ldm': assert run_['model'].source_lr_scale == 10   # the measured recipe (nbs/experiments)
+    if path.stem == 'main_edit_gpt': assert (run_['model'].token_noise, run_['train'].max_steps) == (0.95, 3000)   # the measured recipe (nbs/experiments)
+    if stage:   # the measured upsampler recipe (nbs/experiments): 64 px crops, the condition skip, little augmentation, none at sampling
         m = run_['model']
         assert type(m).__name__ == 'UpsamplerConfig' and (m.train_crop, m.condition_skip_std, m.condition_skip_flat_std, m.condition_realign,
                                                             m.condition_skip_scale_output, m.noise_aug_max, m.noise_level,
                                                             run_['train'].max_steps) == (64, 0.05, 0.01, True, True, 50, 0, 800)
-    if path.stem == 'main_gpt':   # the measured recipe (README): a text model without layers, 4800 steps, token noise 0.4, the codebook head
+    if path.stem == 'main_gpt':   # the measured recipe (nbs/experiments): a text model without layers, 4800 steps, token noise 0.4, the codebook head
         m = run_['model']
         assert (m.text_layers, m.train_text_encoder, m.token_noise, m.guidance_scale, m.temperature, m.output_head,
                 run_['train'].max_steps) == (0, True, 0.4, 1.5, 0.7, 'codebook', 4800)
-    if path.stem == 'main_glide':   # the measured base recipe (README): text-only attention, heads of 8 channels, schedule shifted by 3, no text layer
+    if path.stem == 'main_glide':   # the measured base recipe (nbs/experiments): text-only attention, heads of 8 channels, schedule shifted by 3, no text layer
         m = run_['model']
         assert (m.attention_head_dim, m.only_cross_attention, m.pooled_text, m.prediction_type, m.schedule_shift, m.text_layers, run_['train'].max_steps) == (8, True, True, 'v_prediction', 3.0, 0, 1300)
 
 
 def test_main_job_config_is_the_main_recipe():
-    "scripts/configs/main_ldm.yaml is the recipe `make main` measured (README): guard it against silent edits."
+    "scripts/configs/main_ldm.yaml is the recipe `make main` measured (nbs/experiments): guard it against silent edits."
     r = resolve('train_ldm', ['--config', str(ROOT/'scripts'/'configs'/'main_ldm.yaml')])
     t, m, d = r['train'], r['model'], r['data']
     assert (t.max_steps, t.batch_size, t.lr, t.warmup_steps, t.ema, t.ema_decay, t.lr_scheduler) == (3500, 64, 5e-4, 100, True, 0.999, 'constant_with_warmup')
-    assert (m.train_text_encoder, m.pooled_text, m.resolution, m.snr_gamma) == (True, True, 32, 5.0)   # min-SNR: held over four seeds (README)
+    assert (m.train_text_encoder, m.pooled_text, m.resolution, m.snr_gamma) == (True, True, 32, 5.0)   # min-SNR: held over four seeds (nbs/experiments)
     assert (d.cache_latents, d.caption_dropout, d.latent_mode, d.cache_text_embeddings) == (True, 0.1, False, False)   # its text encoder trains
     assert 'main_vae.yaml' in (ROOT/'Makefile').read_text() and 'main_ldm.yaml' in (ROOT/'Makefile').read_text()
 
@@ -148,7 +148,7 @@ def main_command(tmp_path, *needles, args=()):
 
 
 def test_main_first_stage_data_follows_the_task(tmp_path):
-    "`make main` trains the text-to-image first stage (VAE or VQ-VAE) on the single-object folder and the TASK=edit one on one- and two-object scenes (the editors add and remove a second object: README)."
+    "`make main` trains the text-to-image first stage (VAE or VQ-VAE) on the single-object folder and the TASK=edit one on one- and two-object scenes (the editors add and remove a second object: nbs/experiments)."
     for family, script in (('ldm', 'scripts/train_vae.py'), ('gpt', 'scripts/train_vqvae.py')):
         command = lambda *args: main_command(tmp_path, script, args=(f'FAMILY={family}', *args))
         assert f'--train_data_dir {tmp_path}/shapes/imagefolder/train' in command() and 'level=mixed' not in command()
@@ -165,14 +165,14 @@ def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):
         level2 = command('scripts/sample.py', '--shapes_level 2')
         assert f'--out {tmp_path}/{samples}-level2' in level2 and args in level2 and '--upsampler' not in level2
         assert command('scripts/evaluate.py', f'{samples}-level2')
-    # the GPT's codebook head gets its free rows at LEVEL=mixed only (README: two-object scenes)
+    # the GPT's codebook head gets its free rows at LEVEL=mixed only (nbs/experiments: two-object scenes)
     assert '--head_free_rows true' in main_command(tmp_path, 'scripts/train_gpt.py', args=('FAMILY=gpt', 'LEVEL=mixed'))
     assert '--head_free_rows' not in main_command(tmp_path, 'scripts/train_gpt.py', args=('FAMILY=gpt',))
-    # latent diffusion trains twice the recipe's steps at LEVEL=mixed (3500 do not teach left/right: README); LDM_STEPS still wins
+    # latent diffusion trains twice the recipe's steps at LEVEL=mixed (3500 do not teach left/right: nbs/experiments); LDM_STEPS still wins
     assert '--max_train_steps 7000' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed',))
     assert '--max_train_steps' not in main_command(tmp_path, 'scripts/train_ldm.py')
     assert '--max_train_steps 60' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed', 'LDM_STEPS=60'))
-    # and sees every scene mirrored too (its left/right: README, "Mirrored scenes teach left and right"); level 1 as before
+    # and sees every scene mirrored too (its left/right: nbs/experiments/06_grpo_relations.ipynb, "Mirrored scenes teach left and right"); level 1 as before
     assert '--random_flip true' in main_command(tmp_path, 'scripts/train_ldm.py', args=('LEVEL=mixed',))
     assert '--random_flip' not in main_command(tmp_path, 'scripts/train_ldm.py')
     p = run(['make', '-s', 'main', f'MAIN={tmp_path}', 'LEVEL=2'], check=False)
@@ -180,7 +180,7 @@ def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):
 
 
 def test_main_edit_samples_at_each_familys_image_guidance(tmp_path):
-    "`make main TASK=edit` samples the held-out edits at the family's image guidance from the Makefile (not InstructPix2Pix's default 1.5; the choice: README), and EDIT_IMAGE_GUIDANCE_<family> overrides it."
+    "`make main TASK=edit` samples the held-out edits at the family's image guidance from the Makefile (not InstructPix2Pix's default 1.5; the choice: nbs/experiments), and EDIT_IMAGE_GUIDANCE_<family> overrides it."
     edit_sample_command = lambda *args: main_command(tmp_path, 'scripts/sample.py', '--shapes_edit_split', args=('TASK=edit', *args))
     mk = (ROOT/'Makefile').read_text()
     for family in ('ldm', 'gpt'):

@@ -47,8 +47,8 @@ class GPTConfig(Config):
     token_noise:float = 0.0              # training: share of input tokens replaced by random codes (targets stay clean)
     fp32_residual:bool = True            # under bf16/fp16 autocast keep the residual stream in float32 (False: autocast dtype, faster on GPUs)
     bias:bool = True                     # biases in the transformer's linear layers and layer norms (False: none, as PaLM and LLaMA; faster on GPUs)
-    output_head:str = 'linear'           # 'codebook': each code's output row made from its VQ code vector (held-out colour-shape pairs, README); 'linear': one free row per code
-    head_free_rows:bool = False          # 'codebook': also a free row per code, added to the MLP's (zero at the start; README: two-object scenes)
+    output_head:str = 'linear'           # 'codebook': each code's output row made from its VQ code vector (held-out colour-shape pairs, nbs/experiments); 'linear': one free row per code
+    head_free_rows:bool = False          # 'codebook': also a free row per code, added to the MLP's (zero at the start; nbs/experiments: two-object scenes)
     guidance_scale:float = 3.0           # default CFG scale for samples (1 = off)
     temperature:float = 1.0              # default sampling temperature
     top_k:int|None = None                # default top-k (None: off)

@@ -198,7 +198,7 @@ def make_accelerator(cfg:TrainConfig, **kwargs) -> Accelerator:
     # process, and a process forked by `debug_launcher` inherits its parent's single-process state; start afresh.
     single = bool(PartialState._shared_state) and not PartialState().use_distributed
     AcceleratorState._reset_state(reset_partial_state=single); GradientState._reset_state()
-    destroy_process_group_at_exit()   # a rank that exits with its group alive can abort after finishing (00_diagnostics)
+    destroy_process_group_at_exit()   # a rank that exits with its group alive can abort after finishing (98_diagnostics)
     return Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
                        log_with=None if cfg.tracker == 'none' else cfg.tracker,
                        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir)/'logs')),
