@@ -55,10 +55,10 @@ def versions(cuda=None) -> dict:
 # %% ../nbs/98_diagnostics.ipynb #523c8df6
 def accelerate_view(env:dict|None=None) -> dict:
     "How this process was launched and what accelerate will do: distributed type, processes, mixed precision."
-    env = os.environ if env is None else env
+    own, env = env is None, os.environ if env is None else env
     from accelerate.state import PartialState
     from accelerate.commands.config import default_config_file
-    if PartialState._shared_state:  # an Accelerator/PartialState exists in this process: report its real state
+    if own and PartialState._shared_state:  # this process, with an Accelerator/PartialState: report its real state (a given `env` is described as given)
         s = PartialState()
         dist, n, rank = str(s.distributed_type).split('.')[-1], s.num_processes, s.process_index
     else:
