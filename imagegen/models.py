@@ -18,8 +18,9 @@ from .edits import EditConfig
 from .hybrid import HYBRID_FILE, HybridPipeline
 
 # %% auto #0
-__all__ = ['MODEL_CLASSES', 'FAMILIES', 'PIPELINE_CLASSES', 'RECORD_FILES', 'EDITOR_CLASSES', 'MAIN_JOBS', 'family_of',
-           'UnknownModelError', 'describe_folder', 'model_class_name', 'load_model', 'build_editor', 'main_job_model']
+__all__ = ['MODEL_CLASSES', 'FAMILIES', 'PIPELINE_CLASSES', 'RECORD_FILES', 'PIPELINE_OF', 'EDITOR_CLASSES', 'MAIN_JOBS',
+           'family_of', 'UnknownModelError', 'describe_folder', 'model_class_name', 'load_model', 'pipeline_kwargs',
+           'build_editor', 'main_job_model']
 
 # %% ../nbs/05e_models.ipynb #10541df8
 MODEL_CLASSES:dict[str, type] = {c.__name__: c for c in (LatentDiffusion, LatentEditor, GlideDiffusion, GlideUpsampler, TextToImageGPT,
@@ -100,6 +101,21 @@ def load_model(path:str|Path, **kwargs):
     "The model saved in `path` (a folder any training script, `export_checkpoint.py` or `make_hybrid.py` wrote, or a diffusers repository of a class in `PIPELINE_CLASSES`), loaded by the class its folder records; `kwargs` go to its `from_pretrained`."
     hub = {k: kwargs[k] for k in ('cache_dir', 'revision') if k in kwargs}
     return MODEL_CLASSES[model_class_name(path, **hub)].from_pretrained(path, **kwargs)
+
+# %% ../nbs/05e_models.ipynb #ca17a4f9
+PIPELINE_OF:dict[str, str] = {v: k for k, v in PIPELINE_CLASSES.items()}   # model class -> the diffusers pipeline its folder opens in
+
+def pipeline_kwargs(model) -> dict:
+    "What to pass to the call of the diffusers pipeline (`PIPELINE_OF`) of `model`'s saved folder so it makes `model.generate`'s images: the model's own sampling settings."
+    name = type(model).__name__
+    if name not in PIPELINE_OF:
+        raise TypeError(f"a {name} folder opens in no diffusers pipeline ({', '.join(PIPELINE_OF)} do): generate with load_model(path).generate(prompts).")
+    s = model.sampling
+    kw = dict(num_inference_steps=s['num_inference_steps'], guidance_scale=s['guidance_scale'])
+    if name == 'LatentEditor': kw['image_guidance_scale'] = s['image_guidance_scale']
+    if name.startswith('Glide'): kw['clean_caption'] = False      # IF cleans captions (bs4, ftfy); GLIDE's tokenizer reads them as given
+    if name == 'GlideUpsampler': kw['noise_level'] = model.noise_level
+    return kw
 
 # %% ../nbs/05e_models.ipynb #929afbeb
 EDITOR_CLASSES:dict[str, type] = {'LatentDiffusion': LatentEditor, 'LatentEditor': LatentEditor, 'TextToImageGPT': GPTEditor, 'GPTEditor': GPTEditor}

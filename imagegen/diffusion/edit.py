@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from ..config import ConfigError, model_record, sampling_settings
 from ..edits import EditConfig, edit_dropout_masks, edit_sample_grid, make_edit_optimizer, prepare_sources
 from .ldm import LatentDiffusion, LDM_FILE
-from .sampling import draw_noise, make_scheduler, sample_latents
+from .sampling import draw_noise, make_scheduler, sample_latents, unpin_defaults
 
 # %% auto #0
 __all__ = ['expand_conv_in', 'LatentEditor', 'is_edit_folder']
@@ -112,10 +112,11 @@ def generate(self:LatentEditor, prompts:list[str]|None=None, *, image=None, guid
 def save_pretrained(self:LatentEditor, save_directory:str|Path):
     "A `StableDiffusionInstructPix2PixPipeline` folder (scheduler: DPM-Solver++ 2M) with our training metadata."
     d = Path(save_directory); d.mkdir(parents=True, exist_ok=True)
-    te = self.text_encoder
+    te, sampler = self.text_encoder, make_scheduler(self.sampling['sampler'], self.scheduler)
     StableDiffusionInstructPix2PixPipeline(vae=self.autoencoder.vae, text_encoder=te.model, tokenizer=te.tokenizer, unet=self.unet,
-                                           scheduler=make_scheduler('dpmpp_2m', self.scheduler), safety_checker=None,
+                                           scheduler=sampler, safety_checker=None,
                                            feature_extractor=None, requires_safety_checker=False).save_pretrained(d)
+    unpin_defaults(sampler, d/'scheduler')
     meta = model_record(self, sampling=self.sampling, task='edit', conditioning_dropout_prob=self.conditioning_dropout_prob,
                         snr_gamma=self.snr_gamma, noise_offset=self.noise_offset, sample_prompts=self.sample_prompts,
                         config=self.config.to_dict() if self.config else None, train_scheduler=dict(self.scheduler.config))

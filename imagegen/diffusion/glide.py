@@ -17,7 +17,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.clip.modeling_clip import CLIPEncoder, CLIPPreTrainedModel
 from ..config import Config, ConfigError, model_record, sampling_settings
 from .ldm import UNetWithTextEncoder, _drop_captions, diffusion_target, loss_weights
-from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
+from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents, unpin_defaults
 from ..grids import to_pil
 from ..text import TextEncoder, train_clip_tokenizer
 from ..training.loop import make_optimizer
@@ -171,7 +171,8 @@ def shifted_betas(alphas_cumprod:torch.Tensor, shift:float) -> list[float]:
 def build_glide_scheduler(cfg:GlideConfig, beta_schedule:str|None=None) -> DDPMScheduler:
     "The training schedule: DDPM over `cfg.beta_schedule` (cosine for GLIDE's base) shifted by `cfg.schedule_shift`, learned-range variance when learned."
     kw = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=beta_schedule or cfg.beta_schedule,
-              variance_type='learned_range' if cfg.learn_sigma else 'fixed_small', clip_sample=True, prediction_type=cfg.prediction_type)
+              variance_type='learned_range' if cfg.learn_sigma else 'fixed_small', clip_sample=True, prediction_type=cfg.prediction_type,
+              timestep_spacing='trailing')   # every sampler's: the DDPM sampler needs it (nbs/04a_sampling.ipynb), and one spacing for all keeps swaps consistent
     s = DDPMScheduler(**kw)
     if cfg.schedule_shift == 1: return s
     return DDPMScheduler(**kw, trained_betas=shifted_betas(s.alphas_cumprod, cfg.schedule_shift))   # a plain beta list: every diffusers sampler and IFPipeline reads it
@@ -342,12 +343,13 @@ def sample(self:GlideDiffusion, n:int|None=None, step:int|None=None, **kwargs) -
 GLIDE_FILE = 'imagegen_glide.json'
 
 @patch
-def save_pretrained(self:GlideDiffusion, save_directory:str|Path, sampler:str='ddpm'):
-    "A diffusers `IFPipeline` folder whose scheduler is `sampler` over the training schedule, plus our training metadata."
+def save_pretrained(self:GlideDiffusion, save_directory:str|Path, sampler:str|None=None):
+    "A diffusers `IFPipeline` folder whose scheduler is `sampler` (None: the model's default sampler) over the training schedule, plus our training metadata."
     d = Path(save_directory); d.mkdir(parents=True, exist_ok=True)
-    te = self.text_encoder
-    IFPipeline(tokenizer=te.tokenizer, text_encoder=te.model, unet=self.unet, scheduler=make_scheduler(sampler, self.scheduler),
+    te, sampler = self.text_encoder, make_scheduler(sampler or self.sampling['sampler'], self.scheduler)
+    IFPipeline(tokenizer=te.tokenizer, text_encoder=te.model, unet=self.unet, scheduler=sampler,
                safety_checker=None, feature_extractor=None, watermarker=None, requires_safety_checker=False).save_pretrained(d)
+    unpin_defaults(sampler, d/'scheduler')
     index = json.loads((d/'model_index.json').read_text())                  # name the class where it lives, wherever it was defined
     index['text_encoder'] = ['imagegen.diffusion.glide', 'GlideTextModel']
     (d/'model_index.json').write_text(json.dumps(index, indent=2))

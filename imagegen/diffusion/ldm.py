@@ -14,7 +14,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNe
 from diffusers.training_utils import compute_snr
 from fastcore.basics import patch
 from ..autoencoders.kl import ImageAutoencoder, tiny_vae_config
-from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
+from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents, unpin_defaults
 from ..grids import to_pil
 from ..text import TextEncoder, load_text_encoder, text_states
 from ..config import Config, ConfigError, model_record, sampling_settings
@@ -295,16 +295,17 @@ LDM_FILE = 'imagegen_ldm.json'
 
 @patch
 def save_pretrained(self:LatentDiffusion, save_directory:str|Path):
-    "A diffusers-format folder (`StableDiffusionPipeline` loads it unless in pixel mode) whose scheduler is the recommended sampler, DPM-Solver++ 2M."
+    "A diffusers-format folder (`StableDiffusionPipeline` loads it unless in pixel mode) whose scheduler is the model's default sampler (DPM-Solver++ 2M unless changed)."
     d = Path(save_directory); d.mkdir(parents=True, exist_ok=True)
-    te, sampler = self.text_encoder, make_scheduler('dpmpp_2m', self.scheduler)
+    te, sampler = self.text_encoder, make_scheduler(self.sampling['sampler'], self.scheduler)
     if self.autoencoder.is_pixel:
-        self.unet.save_pretrained(d/'unet'); te.save_pretrained(d); sampler.save_pretrained(d/'scheduler')
+        self.unet.save_pretrained(d/'unet'); te.save_pretrained(d); sampler.save_pretrained(d/'scheduler'); unpin_defaults(sampler, d/'scheduler')
         self.autoencoder.save_pretrained(d/'vae')
     else:
         StableDiffusionPipeline(vae=self.autoencoder.vae, text_encoder=te.model, tokenizer=te.tokenizer, unet=self.unet,
                                 scheduler=sampler, safety_checker=None, feature_extractor=None,
                                 requires_safety_checker=False).save_pretrained(d)
+    unpin_defaults(sampler, d/'scheduler')     # so that every other sampler swapped in from it is make_scheduler's (nbs/04a_sampling.ipynb)
     # the training noise schedule itself, which the pipeline's sampler config does not fully carry (clip_sample, spacing)
     meta = model_record(self, sampling=self.sampling, snr_gamma=self.snr_gamma, noise_offset=self.noise_offset, cond_dropout=self.cond_dropout,
                         sample_prompts=self.sample_prompts, config=self.config.to_dict() if self.config else None,

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/04a_sampling.ipynb #390fc2b0
 from __future__ import annotations
-import inspect, math
+import inspect, json, math
 from pathlib import Path
 from typing import Callable, Sequence
 import torch
@@ -19,9 +19,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from ..text import tiny_clip_tokenizer
 
 # %% auto #0
-__all__ = ['SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'clip_encoder', 'as_encoder', 'make_generators', 'draw_noise',
-           'draw_timesteps', 'guidance_streams', 'mix_guidance', 'sample_latents', 'sample', 'to_pipeline',
-           'sample_distributed']
+__all__ = ['SAMPLERS', 'SCHEDULE_KEYS', 'tiny_sd_components', 'make_scheduler', 'unpin_defaults', 'clip_encoder', 'as_encoder',
+           'make_generators', 'draw_noise', 'draw_timesteps', 'guidance_streams', 'mix_guidance', 'sample_latents',
+           'sample', 'to_pipeline', 'sample_distributed']
 
 # %% ../../nbs/04a_sampling.ipynb #6831c727
 def tiny_sd_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:
@@ -55,15 +55,27 @@ SAMPLERS = {
 }
 
 def make_scheduler(name:str, train_schedule, **overrides):
-    "Sampler `name` (a key of `SAMPLERS`) built from the training noise schedule (a scheduler or its config)."
+    "Sampler `name` (a key of `SAMPLERS`) built from a noise schedule (a scheduler or its config): `cls.from_config(config, **options)`."
     if name not in SAMPLERS: raise ValueError(f"Unknown sampler {name!r}: choose one of {', '.join(SAMPLERS)}.")
     cls, opts = SAMPLERS[name]
     cfg = getattr(train_schedule, 'config', train_schedule)
     learned = cfg.get('variance_type') in ('learned', 'learned_range')
     drops = learned and cls is not DDPMScheduler and cfg.get('prediction_type', 'epsilon') != 'epsilon'   # DPM-Solver splits it off for epsilon models only
     if 'variance_type' in cfg and ('variance_type' not in inspect.signature(cls.__init__).parameters or drops):
-        cfg = {**cfg, 'variance_type': None}     # the key outlives from_config; say this sampler models no variance (IF pipelines read it)
+        cfg = {**cfg, 'variance_type': None}     # in the config, not a keyword (which a class without the parameter ignores): IF pipelines read it
     return cls.from_config(cfg, **{**opts, **overrides})
+
+# %% ../../nbs/04a_sampling.ipynb #0c849c4d
+SCHEDULE_KEYS = ('num_train_timesteps', 'beta_start', 'beta_end', 'beta_schedule', 'trained_betas', 'prediction_type')
+
+def unpin_defaults(scheduler, folder:str|Path) -> dict:
+    "Rewrite `folder/scheduler_config.json` (written by `scheduler.save_pretrained(folder)`) without the settings `scheduler` took as its class's defaults, `SCHEDULE_KEYS` kept; returns what it wrote."
+    p = Path(folder)/'scheduler_config.json'
+    if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: save the scheduler there first (scheduler.save_pretrained).")
+    defaults = set(scheduler.config.get('_use_default_values', [])) - set(SCHEDULE_KEYS)
+    cfg = {k: v for k, v in json.loads(p.read_text()).items() if k not in defaults}
+    p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + '\n')
+    return cfg
 
 # %% ../../nbs/04a_sampling.ipynb #b24866c3
 def clip_encoder(tokenizer, text_encoder) -> Callable[[list[str]], torch.Tensor]:

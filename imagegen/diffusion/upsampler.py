@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from ..config import ConfigError, model_record, sampling_settings
 from .glide import (GLIDE_FILE, GlideConfig, GlideDiffusion, _glide_tokenizer, _load_glide_parts,
                                       build_glide_scheduler, build_glide_text_model, build_glide_unet)
-from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents
+from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents, unpin_defaults
 from ..text import TextEncoder
 
 # %% auto #0
@@ -344,13 +344,14 @@ def upsampler_report(upsampler:GlideUpsampler, images:torch.Tensor, prompts:list
 
 # %% ../../nbs/04d_upsampler.ipynb #98c30f79
 @patch
-def save_pretrained(self:GlideUpsampler, save_directory:str|Path, sampler:str='ddpm'):
-    "A diffusers `IFSuperResolutionPipeline` folder (scheduler: `sampler` over the training schedule) plus our training metadata."
+def save_pretrained(self:GlideUpsampler, save_directory:str|Path, sampler:str|None=None):
+    "A diffusers `IFSuperResolutionPipeline` folder (scheduler: `sampler` over the training schedule, None: the model's default sampler) plus our training metadata."
     d = Path(save_directory); d.mkdir(parents=True, exist_ok=True)
-    te = self.text_encoder
-    IFSuperResolutionPipeline(tokenizer=te.tokenizer, text_encoder=te.model, unet=self.unet, scheduler=make_scheduler(sampler, self.scheduler),
+    te, sampler = self.text_encoder, make_scheduler(sampler or self.sampling['sampler'], self.scheduler)
+    IFSuperResolutionPipeline(tokenizer=te.tokenizer, text_encoder=te.model, unet=self.unet, scheduler=sampler,
                               image_noising_scheduler=self.noising_scheduler, safety_checker=None, feature_extractor=None,
                               watermarker=None, requires_safety_checker=False).save_pretrained(d)
+    unpin_defaults(sampler, d/'scheduler')
     index = json.loads((d/'model_index.json').read_text())
     index['text_encoder'] = ['imagegen.diffusion.glide', 'GlideTextModel']
     if isinstance(self.unet, ConditionSkipUNet): index['unet'] = ['imagegen.diffusion.upsampler', 'ConditionSkipUNet']
