@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from diffusers import DDPMScheduler, IFPipeline, UNet2DConditionModel
+from diffusers import DDPMScheduler, IFPipeline, ModelMixin, UNet2DConditionModel  # ModelMixin: diffusers looks it up in this module to load GlideUNet
 from fastcore.basics import patch
 from transformers import AutoTokenizer, CLIPTextConfig, PreTrainedModel  # PreTrainedModel: diffusers looks it up in this module to load GlideTextModel
 from transformers.modeling_outputs import BaseModelOutput
@@ -23,8 +23,9 @@ from ..text import TextEncoder, train_clip_tokenizer
 from ..training.loop import make_optimizer
 
 # %% auto #0
-__all__ = ['GLIDE_FILE', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'build_glide_unet', 'build_glide_text_model',
-           'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion', 'predicted_noise', 'variational_bound_terms']
+__all__ = ['GLIDE_FILE', 'GLIDE_OPTIONS', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'GlideUNet', 'build_glide_unet',
+           'build_glide_text_model', 'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion', 'predicted_noise',
+           'variational_bound_terms', 'glide_config_from_options', 'convert_openai_glide', 'openai_glide_call']
 
 # %% ../../nbs/04c_glide.ipynb #f61a26c5
 class GlideTextConfig(CLIPTextConfig):
@@ -60,7 +61,8 @@ class GlideTextModel(CLIPPreTrainedModel):
         pad, eos = self.config.pad_token_id, self.config.eos_token_id
         is_pad = input_ids == pad
         trailing = is_pad.flip(1).cumprod(1).flip(1).bool()                     # (B, L) inside the final run of pads
-        if pad == eos: trailing &= trailing.cumsum(1) > 1                       # keep the first: the real end token
+        if pad == eos and getattr(self.config, 'appends_end_token', True):
+            trailing &= trailing.cumsum(1) > 1                                  # keep the first: the real end token (GLIDE's own tokenizer appends none)
         return trailing
 
     def forward(self, input_ids:torch.Tensor, attention_mask:torch.Tensor|None=None, **kwargs) -> BaseModelOutput:
@@ -97,6 +99,7 @@ class GlideConfig(Config):
     attention_head_dim:int = 32          # channels per attention head (GLIDE: 64)
     dropout:float = 0.0                  # UNet residual-block dropout (GLIDE: 0.1)
     pooled_text:bool = True              # add attention-pooled text to the time embedding (diffusers addition_embed_type='text')
+    last_token_proj:bool = False         # GLIDE's: add the projected text state at the last position instead (OpenAI's transformer_proj; GlideUNet)
     only_cross_attention:bool = False    # attention reads the text only (IF's super-resolution stages); False: GLIDE's, text K/V prepended to the image's
     learn_sigma:bool = True              # predict the variance too (hybrid loss); the UNet outputs 6 channels
     uncond_p:float = 0.2                 # caption -> '' probability in the loss (classifier-free guidance)
@@ -137,6 +140,12 @@ def _norm_groups(channels) -> int:
     g = math.gcd(*channels)
     return max(d for d in range(1, 33) if g % d == 0)
 
+class GlideUNet(UNet2DConditionModel):
+    "A `UNet2DConditionModel` that adds GLIDE's text projection to the time embedding: the text state at the last position through `class_embedding`."
+    def forward(self, sample, timestep, encoder_hidden_states, class_labels=None, **kwargs):
+        if class_labels is None and self.config.class_embed_type == 'simple_projection': class_labels = encoder_hidden_states[:, -1]
+        return super().forward(sample, timestep, encoder_hidden_states, class_labels=class_labels, **kwargs)
+
 def build_glide_unet(cfg:GlideConfig, text_width:int|None=None, in_channels:int=3, cross_attention_dim:int|None=None,
                      unet_class:type=UNet2DConditionModel, **overrides) -> UNet2DConditionModel:
     "GLIDE's ADM UNet as a `UNet2DConditionModel` or a subclass of it (`unet_class`); `overrides`: extra constructor arguments, e.g. for the upsampler."
@@ -151,6 +160,9 @@ def build_glide_unet(cfg:GlideConfig, text_width:int|None=None, in_channels:int=
               resnet_time_scale_shift='scale_shift', norm_num_groups=_norm_groups(cfg.block_out_channels), dropout=cfg.dropout,
               encoder_hid_dim=text_width if text_width != xdim else None, only_cross_attention=cfg.only_cross_attention)
     if cfg.pooled_text: kw.update(addition_embed_type='text', addition_embed_type_num_heads=max(1, xdim // 64))
+    if cfg.last_token_proj:
+        kw.update(class_embed_type='simple_projection', projection_class_embeddings_input_dim=text_width)
+        if unet_class is UNet2DConditionModel: unet_class = GlideUNet
     return unet_class(**{**kw, **overrides})
 
 def build_glide_text_model(cfg:GlideConfig, tokenizer) -> GlideTextModel:
@@ -352,6 +364,7 @@ def save_pretrained(self:GlideDiffusion, save_directory:str|Path, sampler:str|No
     unpin_defaults(sampler, d/'scheduler')
     index = json.loads((d/'model_index.json').read_text())                  # name the class where it lives, wherever it was defined
     index['text_encoder'] = ['imagegen.diffusion.glide', 'GlideTextModel']
+    if isinstance(self.unet, GlideUNet): index['unet'] = ['imagegen.diffusion.glide', 'GlideUNet']
     (d/'model_index.json').write_text(json.dumps(index, indent=2))
     meta = model_record(self, sampling=self.sampling, uncond_p=self.uncond_p, sample_prompts=self.sample_prompts,
                         config=self.config.to_dict() if self.config else None, train_scheduler=dict(self.scheduler.config))
@@ -385,7 +398,132 @@ def from_pretrained(cls:GlideDiffusion, path:str|Path, train_text_encoder:bool|N
     "Load a folder written by `save_pretrained` (local or Hub); `train_text_encoder` None: as saved."
     if (Path(path)/'image_noising_scheduler').is_dir():
         raise ValueError(f"{path} is a GLIDE upsampler folder: load it with imagegen.diffusion.upsampler.GlideUpsampler.from_pretrained.")
-    unet, te, sched, meta, cfg = _load_glide_parts(path, GlideConfig, train_text_encoder, cache_dir, revision)
+    unet, te, sched, meta, cfg = _load_glide_parts(path, GlideConfig, train_text_encoder, cache_dir, revision, unet_classes=(UNet2DConditionModel, GlideUNet))
     m = cls(unet, te, sched, meta.get('uncond_p', 0.2), cfg, meta.get('sample_prompts'))
     m.sampling = sampling_settings(m.sampling, **meta.get('sampling', {}))     # as saved; a folder from before this record: the defaults
     return m
+
+# %% ../../nbs/04c_glide.ipynb #67698e5b
+GLIDE_OPTIONS:dict[str, dict] = {   # glide_text2im's model_and_diffusion_defaults(): the options base.pt was built with
+    'base': dict(image_size=64, num_channels=192, num_res_blocks=3, channel_mult='', num_heads=1, num_head_channels=64, num_heads_upsample=-1,
+                 attention_resolutions='32,16,8', dropout=0.1, text_ctx=128, xf_width=512, xf_layers=16, xf_heads=8, xf_final_ln=True,
+                 xf_padding=True, diffusion_steps=1000, noise_schedule='squaredcos_cap_v2', timestep_respacing='', use_scale_shift_norm=True,
+                 resblock_updown=True, use_fp16=True, cache_text_emb=False, inpaint=False, super_res=False)}
+GLIDE_OPTIONS['upsample'] = {**GLIDE_OPTIONS['base'], 'image_size': 256, 'num_res_blocks': 2, 'noise_schedule': 'linear', 'super_res': True}
+_GLIDE_MULT = {256: (1, 1, 2, 2, 4, 4), 128: (1, 1, 2, 3, 4), 64: (1, 2, 3, 4)}   # channel_mult '' by image size, as glide_text2im picks it
+
+def glide_config_from_options(options:dict) -> GlideConfig:
+    "The `GlideConfig` of an OpenAI GLIDE model built with `options` (glide_text2im's `create_model_and_diffusion` arguments)."
+    o = {**GLIDE_OPTIONS['upsample' if options.get('super_res') else 'base'], **options}
+    fixed = {'use_scale_shift_norm': True, 'resblock_updown': True, 'xf_final_ln': True, 'xf_padding': True, 'inpaint': False}
+    off = {k: o[k] for k, v in fixed.items() if o[k] != v}
+    if off: raise ConfigError(f"GLIDE options {off}: the converter maps GLIDE's published layout ({fixed}); an inpainting or other variant needs its own mapping.")
+    size = o['image_size']
+    mult = tuple(int(m) for m in str(o['channel_mult']).split(',')) if o['channel_mult'] else _GLIDE_MULT.get(size)
+    if mult is None: raise ConfigError(f"GLIDE options: image_size={size} with channel_mult '' (GLIDE picks one for 64, 128 or 256 px only): give channel_mult.")
+    ds = {size // int(r) for r in str(o['attention_resolutions']).split(',')}
+    ch = tuple(o['num_channels'] * m for m in mult)
+    levels = tuple(2 ** i in ds for i in range(len(mult)))
+    head = o['num_head_channels']
+    if head == -1:      # a fixed number of heads: one head width only if every attention level has the same channels
+        widths = {c // o['num_heads'] for c, a in zip(ch, levels) if a}
+        if len(widths) > 1: raise ConfigError(f"GLIDE options: num_heads={o['num_heads']} over attention levels of {sorted(ch)} channels gives heads of different widths, which one attention_head_dim cannot hold.")
+        head = widths.pop() if widths else ch[0]
+    return GlideConfig(resolution=size, tokenizer='openai-community/gpt2', text_width=o['xf_width'], text_layers=o['xf_layers'], text_heads=o['xf_heads'],
+                       text_ctx=o['text_ctx'], block_out_channels=ch, attention_levels=levels, layers_per_block=o['num_res_blocks'],
+                       attention_head_dim=head, dropout=o['dropout'], pooled_text=False, last_token_proj=True, only_cross_attention=False,
+                       learn_sigma=True, prediction_type='epsilon', num_train_timesteps=o['diffusion_steps'], beta_schedule=o['noise_schedule'],
+                       uncond_p=0.0 if o['super_res'] else 0.2)
+
+# %% ../../nbs/04c_glide.ipynb #c6c06054
+def _per_head(w:torch.Tensor, heads:int, n:int) -> list[torch.Tensor]:
+    "OpenAI's fused projection (rows: per head, n chunks of its width, e.g. [q_h, k_h, v_h]) as n tensors; a 1x1 convolution's last axis dropped."
+    w = w[..., 0] if w.dim() == 3 else w
+    rows = w.shape[0]
+    w = w.reshape(heads, n, rows // heads // n, *w.shape[1:])
+    return [w[:, i].reshape(rows // n, *w.shape[3:]) for i in range(n)]
+
+def _glide_keys(cfg:GlideConfig, sd:dict, take) -> dict:
+    "Our UNet's state dict from OpenAI's `sd`; `take(key)` reads (and marks) a source tensor."
+    out, ch, L, n = {}, cfg.block_out_channels, len(cfg.block_out_channels), cfg.layers_per_block
+    def res(src, dst):
+        for a, b in (('in_layers.0', 'norm1'), ('in_layers.2', 'conv1'), ('emb_layers.1', 'time_emb_proj'), ('out_layers.0', 'norm2'),
+                     ('out_layers.3', 'conv2'), ('skip_connection', 'conv_shortcut')):
+            for p in ('weight', 'bias'):
+                if f'{src}.{a}.{p}' in sd: out[f'{dst}.{b}.{p}'] = take(f'{src}.{a}.{p}')
+    def attn(src, dst, level):
+        h = ch[level] // cfg.attention_head_dim
+        for p in ('weight', 'bias'):
+            out[f'{dst}.group_norm.{p}'] = take(f'{src}.norm.{p}')
+            out[f'{dst}.to_q.{p}'], out[f'{dst}.to_k.{p}'], out[f'{dst}.to_v.{p}'] = _per_head(take(f'{src}.qkv.{p}'), h, 3)
+            out[f'{dst}.add_k_proj.{p}'], out[f'{dst}.add_v_proj.{p}'] = _per_head(take(f'{src}.encoder_kv.{p}'), h, 2)
+            out[f'{dst}.to_out.0.{p}'] = _per_head(take(f'{src}.proj_out.{p}'), 1, 1)[0]
+    for p in ('weight', 'bias'):
+        for a, b in (('time_embed.0', 'time_embedding.linear_1'), ('time_embed.2', 'time_embedding.linear_2'), ('input_blocks.0.0', 'conv_in'),
+                     ('out.0', 'conv_norm_out'), ('out.2', 'conv_out'), ('transformer_proj', 'class_embedding')):
+            out[f'{b}.{p}'] = take(f'{a}.{p}')
+    k = 1
+    for level in range(L):
+        for j in range(n):
+            res(f'input_blocks.{k}.0', f'down_blocks.{level}.resnets.{j}')
+            if cfg.attention_levels[level]: attn(f'input_blocks.{k}.1', f'down_blocks.{level}.attentions.{j}', level)
+            k += 1
+        if level < L - 1: res(f'input_blocks.{k}.0', f'down_blocks.{level}.downsamplers.0'); k += 1
+    res('middle_block.0', 'mid_block.resnets.0'); attn('middle_block.1', 'mid_block.attentions.0', L - 1); res('middle_block.2', 'mid_block.resnets.1')
+    k = 0
+    for i, level in enumerate(reversed(range(L))):
+        for j in range(n + 1):
+            res(f'output_blocks.{k}.0', f'up_blocks.{i}.resnets.{j}')
+            s = 1
+            if cfg.attention_levels[level]: attn(f'output_blocks.{k}.1', f'up_blocks.{i}.attentions.{j}', level); s = 2
+            if j == n and level > 0: res(f'output_blocks.{k}.{s}', f'up_blocks.{i}.upsamplers.0')
+            k += 1
+    return out
+
+def _glide_text_keys(cfg:GlideConfig, take) -> dict:
+    "Our text model's state dict from OpenAI's text transformer."
+    t = {'token_embedding.weight': take('token_embedding.weight'), 'position_embedding': take('positional_embedding'),
+         'padding_embedding': take('padding_embedding')}
+    for p in ('weight', 'bias'):
+        t[f'final_layer_norm.{p}'] = take(f'final_ln.{p}')
+        for i in range(cfg.text_layers):
+            s, d = f'transformer.resblocks.{i}', f'encoder.layers.{i}'
+            t[f'{d}.self_attn.q_proj.{p}'], t[f'{d}.self_attn.k_proj.{p}'], t[f'{d}.self_attn.v_proj.{p}'] = _per_head(take(f'{s}.attn.c_qkv.{p}'), cfg.text_heads, 3)
+            for a, b in (('attn.c_proj', 'self_attn.out_proj'), ('ln_1', 'layer_norm1'), ('ln_2', 'layer_norm2'), ('mlp.c_fc', 'mlp.fc1'), ('mlp.c_proj', 'mlp.fc2')):
+                t[f'{d}.{b}.{p}'] = take(f'{s}.{a}.{p}')
+    return t
+
+def convert_openai_glide(state_dict:dict, options:dict|None=None) -> tuple[GlideConfig, UNet2DConditionModel, GlideTextModel]:
+    "OpenAI GLIDE weights (`base.pt` / `upsample.pt` state dict, float16 or 32) and their `options` (None: the published ones) as our config, UNet and text model, float32."
+    options = options if options is not None else GLIDE_OPTIONS['upsample' if 'input_blocks.0.0.weight' in state_dict and state_dict['input_blocks.0.0.weight'].shape[1] == 6 else 'base']
+    cfg = glide_config_from_options(options)
+    sd = {k: v.float() for k, v in state_dict.items()}
+    used, missing = set(), []
+    def take(k):
+        if k not in sd: missing.append(k); return torch.zeros(0)
+        used.add(k); return sd[k]
+    super_res = bool({**GLIDE_OPTIONS['base'], **options}.get('super_res'))
+    unet_sd, text_sd = _glide_keys(cfg, sd, take), _glide_text_keys(cfg, take)
+    unused = sorted(set(sd) - used)
+    if missing or unused:
+        raise ConfigError(f"the checkpoint does not fit GLIDE options {options if options is not None else 'published'}: "
+                          + (f"{len(missing)} keys missing ({missing[:6]}{' ...' if len(missing) > 6 else ''})" if missing else '')
+                          + ('; ' if missing and unused else '')
+                          + (f"{len(unused)} keys unused ({unused[:6]}{' ...' if len(unused) > 6 else ''})" if unused else '')
+                          + ". Pass the options it was built with (--options FILE.json).")
+    with torch.device('meta'): unet = build_glide_unet(cfg, in_channels=6 if super_res else 3)
+    unet.load_state_dict(unet_sd, strict=True, assign=True)
+    vocab = sd['token_embedding.weight'].shape[0]
+    te = GlideTextModel(GlideTextConfig(vocab_size=vocab, hidden_size=cfg.text_width, intermediate_size=4 * cfg.text_width, num_hidden_layers=cfg.text_layers,
+                                        num_attention_heads=cfg.text_heads, max_position_embeddings=cfg.text_ctx, hidden_act='gelu',
+                                        pad_token_id=vocab - 1, eos_token_id=vocab - 1, bos_token_id=vocab - 1, appends_end_token=False))
+    te.load_state_dict(text_sd, strict=True)
+    return cfg, unet.eval(), te.eval()
+
+def openai_glide_call(unet:UNet2DConditionModel, text_model:GlideTextModel, x_t:torch.Tensor, t:torch.Tensor, tokens:torch.Tensor,
+                      mask:torch.Tensor, low_res:torch.Tensor|None=None) -> torch.Tensor:
+    "GLIDE's own `model(x_t, t, tokens=tokens, mask=mask[, low_res=low_res])` on a converted pair: `(B, 6, H, W)`, the noise, then the variance values."
+    states = text_model(tokens, attention_mask=mask).last_hidden_state
+    if low_res is not None:    # the upsampler reads the low-resolution image bilinearly upsampled (corners not aligned), next to x_t
+        x_t = torch.cat([x_t, F.interpolate(low_res, x_t.shape[-2:], mode='bilinear', align_corners=False)], dim=1)
+    return unet(x_t, t, encoder_hidden_states=states).sample
