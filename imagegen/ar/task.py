@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from fastcore.basics import patch
-from ..autoencoders.vq import VQTokenizer
+from ..autoencoders.vq import VQ_SOURCE_FILE, VQTokenizer
 from .model import OUTPUT_HEADS, LatentGPT, LatentGPTConfig
 from ..config import Config, ConfigError, model_record, sampling_settings
 from ..data import DataConfig, EncodedDataset, encode_dataset, encode_dataset_cached, weights_digest
@@ -253,8 +253,13 @@ def from_pretrained(cls:TextToImageGPT, path:str|Path, train_text_encoder:bool|N
 
 # %% ../../nbs/05b_t2i.ipynb #845e3055
 def vqvae_source(path:str|Path|None) -> str:
-    "'custom' for a VQ model trained here (its folder has the run_info.json of a train_vqvae.py run), else 'pretrained'."
-    return 'custom' if path and (Path(path)/'run_info.json').exists() else 'pretrained'
+    "'custom': a VQ model trained here (train_vqvae.py's run_info.json); 'pretrained_taming': converted by convert_vqgan.py (imagegen_vq.json); else 'pretrained'."
+    if not path: return 'pretrained'
+    p = Path(path)
+    if (p/'run_info.json').exists(): return 'custom'
+    try: origin = json.loads((p/VQ_SOURCE_FILE).read_text()).get('source') if (p/VQ_SOURCE_FILE).is_file() else None
+    except ValueError: origin = None
+    return f'pretrained_{origin}' if origin == 'taming' else 'pretrained'
 
 @patch
 def model_info(self:TextToImageGPT) -> dict:

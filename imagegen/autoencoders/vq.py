@@ -4,11 +4,12 @@
 
 # %% ../../nbs/03b_vq.ipynb #3bdf8da3
 from __future__ import annotations
-import json
+import json, pickle, re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 import torch
+import yaml
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -19,9 +20,10 @@ from ..config import Config, ConfigError
 from ..grids import to_pil
 
 # %% auto #0
-__all__ = ['VQ_CONFIG_FILE', 'vq_model_config', 'world_size', 'is_main_rank', 'all_reduce_sum', 'broadcast_from_main',
-           'spherical_kmeans', 'EMAQuantizer', 'VQVAEForTraining', 'VQConfig', 'cut_paste', 'locality_loss',
-           'VQVAETask', 'VQTokenizer']
+__all__ = ['VQ_CONFIG_FILE', 'VQ_SOURCE_FILE', 'vq_model_config', 'world_size', 'is_main_rank', 'all_reduce_sum',
+           'broadcast_from_main', 'spherical_kmeans', 'EMAQuantizer', 'VQVAEForTraining', 'VQConfig', 'cut_paste',
+           'locality_loss', 'VQVAETask', 'VQTokenizer', 'read_taming_config', 'taming_vq_config', 'taming_key',
+           'convert_taming_state_dict', 'read_taming_checkpoint', 'convert_taming_vqgan']
 
 # %% ../../nbs/03b_vq.ipynb #9a71b46f
 def vq_model_config(resolution:int=32, channel_mult:tuple[int, ...]=(1, 2, 4), base_channels:int=16, layers_per_block:int=1,
@@ -455,3 +457,119 @@ def from_pretrained(cls:VQTokenizer, name_or_path:str|Path, subfolder:str|None=N
 def save_pretrained(self:VQTokenizer, save_directory:str|Path):
     "Write the `VQModel` in diffusers format to `save_directory`."
     self.vqmodel.save_pretrained(save_directory)
+
+# %% ../../nbs/03b_vq.ipynb #3b4b6242
+def read_taming_config(path:str|Path) -> dict:
+    "The model params (`embed_dim`, `n_embed`, `ddconfig`) of a taming config file: YAML (`model: params: ...`, or the params alone) or JSON."
+    p = Path(path)
+    if not p.is_file(): raise FileNotFoundError(f"{p}: no such config file; pass taming's model YAML (e.g. configs/model.yaml) or a JSON of its params.")
+    try: d = json.loads(p.read_text()) if p.suffix == '.json' else yaml.safe_load(p.read_text())
+    except (ValueError, yaml.YAMLError) as e: raise ConfigError(f"{p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+    params = (d.get('model') or {}).get('params', {}) if isinstance(d, dict) and 'model' in d else d
+    if not isinstance(params, dict) or 'ddconfig' not in params:
+        raise ConfigError(f"{p} holds no taming model params: expected `model: params: {{embed_dim, n_embed, ddconfig}}` "
+                          f"or those params alone; found keys {sorted(d) if isinstance(d, dict) else type(d).__name__}.")
+    return params
+
+def taming_vq_config(params:dict, source:str='config') -> dict:
+    "Config of the diffusers `VQModel` that holds the VQGAN of taming model `params` (`embed_dim`, `n_embed`, `ddconfig`)."
+    dd = params['ddconfig']
+    missing = [k for k in ('ch', 'ch_mult', 'num_res_blocks', 'z_channels', 'resolution', 'in_channels', 'out_ch') if k not in dd]
+    missing += [k for k in ('embed_dim', 'n_embed') if k not in params]
+    if missing: raise ConfigError(f"{source}: the taming config lacks {', '.join(missing)}.")
+    def bad(field, msg): raise ConfigError(f"{source}: ddconfig.{field}={dd.get(field)!r}: {msg}")
+    mult, res = list(dd['ch_mult']), int(dd['resolution'])
+    if mult[0] != 1: bad('ch_mult', "a diffusers Encoder starts at ch * ch_mult[0] channels where taming starts at ch; only ch_mult[0] = 1 converts.")
+    if dd.get('double_z'): bad('double_z', "a VQGAN's encoder has double_z false; this looks like a KL autoencoder (use AutoencoderKL).")
+    if dd.get('attn_type', 'vanilla') != 'vanilla': bad('attn_type', "only taming's vanilla attention has a diffusers equivalent.")
+    if dd.get('give_pre_end') or dd.get('tanh_out'): bad('tanh_out' if dd.get('tanh_out') else 'give_pre_end', "diffusers' Decoder has no such option.")
+    if not dd.get('resamp_with_conv', True): bad('resamp_with_conv', "diffusers' VQModel resamples with convolutions.")
+    attn = {int(r) for r in dd.get('attn_resolutions', [])}
+    levels = [res // 2**i for i in range(len(mult))]                              # resolution of each level, highest first
+    return dict(in_channels=dd['in_channels'], out_channels=dd['out_ch'], sample_size=res, act_fn='silu', norm_num_groups=32,
+                down_block_types=tuple('AttnDownEncoderBlock2D' if r in attn else 'DownEncoderBlock2D' for r in levels),
+                up_block_types=tuple('AttnUpDecoderBlock2D' if r in attn else 'UpDecoderBlock2D' for r in reversed(levels)),
+                block_out_channels=tuple(dd['ch'] * m for m in mult), layers_per_block=dd['num_res_blocks'],
+                latent_channels=dd['z_channels'], num_vq_embeddings=params['n_embed'], vq_embed_dim=params['embed_dim'],
+                mid_block_add_attention=True)
+
+# %% ../../nbs/03b_vq.ipynb #6e65b853
+_TAMING_RULES = [   # (pattern, replacement given the match and the number of levels L)
+    (r'(encoder)\.down\.(\d+)\.block\.', lambda m, L: f'{m[1]}.down_blocks.{m[2]}.resnets.'),
+    (r'(encoder)\.down\.(\d+)\.attn\.', lambda m, L: f'{m[1]}.down_blocks.{m[2]}.attentions.'),
+    (r'(encoder)\.down\.(\d+)\.downsample\.', lambda m, L: f'{m[1]}.down_blocks.{m[2]}.downsamplers.0.'),
+    (r'(decoder)\.up\.(\d+)\.block\.', lambda m, L: f'{m[1]}.up_blocks.{L - 1 - int(m[2])}.resnets.'),     # up.i counts from the top
+    (r'(decoder)\.up\.(\d+)\.attn\.', lambda m, L: f'{m[1]}.up_blocks.{L - 1 - int(m[2])}.attentions.'),
+    (r'(decoder)\.up\.(\d+)\.upsample\.', lambda m, L: f'{m[1]}.up_blocks.{L - 1 - int(m[2])}.upsamplers.0.'),
+    (r'(encoder|decoder)\.mid\.block_([12])\.', lambda m, L: f'{m[1]}.mid_block.resnets.{int(m[2]) - 1}.'),
+    (r'(encoder|decoder)\.mid\.attn_1\.', lambda m, L: f'{m[1]}.mid_block.attentions.0.'),
+    (r'(encoder|decoder)\.norm_out\.', lambda m, L: f'{m[1]}.conv_norm_out.'),
+    (r'(encoder|decoder)\.(conv_in|conv_out)\.', lambda m, L: f'{m[1]}.{m[2]}.'),
+    (r'(quantize\.embedding|quant_conv|post_quant_conv)\.', lambda m, L: f'{m[1]}.')]
+_TAMING_ATTN = {'norm': 'group_norm', 'q': 'to_q', 'k': 'to_k', 'v': 'to_v', 'proj_out': 'to_out.0'}
+_TAMING_RESNET = {'norm1': 'norm1', 'conv1': 'conv1', 'norm2': 'norm2', 'conv2': 'conv2', 'nin_shortcut': 'conv_shortcut'}
+
+def taming_key(key:str, levels:int) -> str|None:
+    "The diffusers `VQModel` name of taming's tensor `key` in a model of `levels` resolution levels; None if no rule fits."
+    for pattern, repl in _TAMING_RULES:
+        if m := re.match(pattern, key):
+            head, rest = repl(m, levels), key[m.end():]
+            if head.endswith(('attentions.', 'attentions.0.')):              # [idx.]{norm,q,k,v,proj_out}.{weight,bias}
+                *idx, name, param = rest.split('.')
+                return f"{head}{''.join(i + '.' for i in idx)}{_TAMING_ATTN[name]}.{param}" if name in _TAMING_ATTN else None
+            if head.endswith(('resnets.', 'resnets.0.', 'resnets.1.')):
+                *idx, name, param = rest.split('.')
+                return f"{head}{''.join(i + '.' for i in idx)}{_TAMING_RESNET[name]}.{param}" if name in _TAMING_RESNET else None
+            return head + rest
+    return None
+
+# %% ../../nbs/03b_vq.ipynb #512f1a6c
+def _some(keys:list[str], n:int=6) -> str: return ', '.join(keys[:n]) + (f" (and {len(keys) - n} more)" if len(keys) > n else '')
+
+def convert_taming_state_dict(state_dict:dict, vq_config:dict, source:str='checkpoint') -> tuple[dict, list[str]]:
+    "taming's `state_dict` as the state dict of a diffusers `VQModel(**vq_config)`, and the `loss.*` keys left out."
+    levels, target = len(vq_config['block_out_channels']), VQModel(**vq_config).state_dict()
+    out, left_out, unplaced, wrong = {}, [], [], []
+    for k, v in state_dict.items():
+        if k.startswith('loss.'): left_out.append(k); continue
+        name = taming_key(k, levels)
+        if name is None or name not in target: unplaced.append(k); continue
+        if '.attentions.' in name and v.ndim == 4: v = v[:, :, 0, 0]                # 1x1 conv -> linear
+        if v.shape != target[name].shape: wrong.append(f"{k} {tuple(v.shape)} -> {name} {tuple(target[name].shape)}")
+        out[name] = v
+    missing = [k for k in target if k not in out]
+    errors = ([f"{len(unplaced)} tensor(s) have no place in the VQModel this config builds: {_some(unplaced)}"] if unplaced else []) + \
+             ([f"{len(missing)} VQModel tensor(s) are not in the checkpoint: {_some(missing)}"] if missing else []) + \
+             ([f"{len(wrong)} shape(s) differ: {_some(wrong, 3)}"] if wrong else [])
+    if errors: raise ConfigError(f"{source}: " + '; '.join(errors) + ". Check that the config (attn_resolutions, num_res_blocks, "
+                                 "ch_mult, z_channels, embed_dim, n_embed) is the one this checkpoint was trained with.")
+    return out, left_out
+
+# %% ../../nbs/03b_vq.ipynb #29f63280
+def read_taming_checkpoint(path:str|Path) -> dict:
+    "The state dict of a taming checkpoint (`{'state_dict': ...}` as Lightning saves it, or the state dict alone), read without running its pickle."
+    p = Path(path)
+    if not p.is_file(): raise FileNotFoundError(f"{p}: no such checkpoint file; pass taming's .ckpt (e.g. checkpoints/last.ckpt).")
+    try: ckpt = torch.load(p, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((l.strip() for l in str(e).splitlines() if 'GLOBAL' in l or 'global' in l), str(e).splitlines()[0])
+        raise ConfigError(f"{p} holds objects other than tensors, which cannot be read without running code from the file "
+                          f"({what}); imagegen does not do that. Where you trust the file, save its state dict alone "
+                          f"(torch.save(ckpt['state_dict'], 'vqgan_state_dict.pt')) and convert that.") from None
+    except RuntimeError as e: raise ConfigError(f"{p} is not a PyTorch checkpoint that can be read ({e}).") from None
+    sd = ckpt.get('state_dict', ckpt) if isinstance(ckpt, dict) else None
+    if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ConfigError(f"{p} holds no state dict of tensors (top-level keys: {sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__}).")
+    return sd
+
+# %% ../../nbs/03b_vq.ipynb #e8996aed
+VQ_SOURCE_FILE = 'imagegen_vq.json'   # a converted VQ model's origin: {"source": "taming", "converted_from": ...}
+
+def convert_taming_vqgan(checkpoint:str|Path, config:str|Path|dict) -> tuple[VQModel, list[str]]:
+    "The diffusers `VQModel` of a taming VQGAN `checkpoint` with its model `config` (file or params), and the `loss.*` keys left out."
+    params = config if isinstance(config, dict) else read_taming_config(config)
+    vq_config = taming_vq_config(params, source=str(config) if not isinstance(config, dict) else 'config')
+    weights, left_out = convert_taming_state_dict(read_taming_checkpoint(checkpoint), vq_config, source=str(checkpoint))
+    vq = VQModel(**vq_config)
+    vq.load_state_dict(weights, strict=True)
+    return vq.eval(), left_out
