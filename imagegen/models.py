@@ -133,13 +133,18 @@ def build_editor(cfg:EditConfig):
     return EDITOR_CLASSES[name].from_edit_config(cfg)
 
 # %% ../nbs/05e_models.ipynb #73165a69
-MAIN_JOBS:dict[str, tuple[str, str]] = {   # family -> (its model folder under runs/main, the command that trains it)
+MAIN_JOBS:dict[str, tuple[str, str]] = {   # job (a family, or GRPO over one) -> (its model folder under runs/main, the command that trains it)
     'ldm': ('ldm/model', 'make main'), 'gpt': ('gpt/model', 'make main FAMILY=gpt'), 'glide': ('glide/model', 'make main FAMILY=glide'),
     'glide-upsampler': ('glide_upsampler/model', 'make main FAMILY=glide'), 'ldm-edit': ('ldm-edit/model', 'make main TASK=edit'),
-    'gpt-edit': ('gpt-edit/model', 'make main TASK=edit FAMILY=gpt')}
+    'gpt-edit': ('gpt-edit/model', 'make main TASK=edit FAMILY=gpt'),
+    # GRPO over the main jobs' models, with the recipes of nbs/experiments/05_grpo_heldout_pairs.ipynb
+    'grpo-ldm': ('grpo-ldm/model', 'accelerate launch scripts/train_grpo.py --config scripts/configs/grpo_ldm_shapes.yaml '
+                 '--pretrained_model_name_or_path runs/main/ldm/model --output_dir runs/main/grpo-ldm'),
+    'grpo-gpt': ('grpo-gpt/model', 'accelerate launch scripts/train_grpo.py --config scripts/configs/grpo_gpt_shapes.yaml '
+                 '--pretrained_model_name_or_path runs/main/gpt/model --output_dir runs/main/grpo-gpt')}
 
 def main_job_model(family:str, main:str|Path|None=None, **kwargs):
-    "The model that `make main` trained for `family` (a key of `MAIN_JOBS`), from `main` (default: `$IMAGEGEN_MAIN`, else the repository's `runs/main`)."
+    "The model that `make main` (or the GRPO recipe over its model) trained for `family` (a key of `MAIN_JOBS`), from `main` (default: `$IMAGEGEN_MAIN`, else the repository's `runs/main`)."
     import os
     from imagegen.export import find_root
     if family not in MAIN_JOBS: raise ValueError(f"family {family!r}: the main jobs train {', '.join(MAIN_JOBS)}.")

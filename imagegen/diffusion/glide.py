@@ -23,9 +23,10 @@ from ..text import TextEncoder, train_clip_tokenizer
 from ..training.loop import make_optimizer
 
 # %% auto #0
-__all__ = ['GLIDE_FILE', 'GLIDE_OPTIONS', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'GlideUNet', 'build_glide_unet',
-           'build_glide_text_model', 'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion', 'predicted_noise',
-           'variational_bound_terms', 'glide_config_from_options', 'convert_openai_glide', 'openai_glide_call']
+__all__ = ['GLIDE_FILE', 'GLIDE_OPTIONS', 'GLIDE_END_TOKEN', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'GlideUNet',
+           'build_glide_unet', 'build_glide_text_model', 'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion',
+           'predicted_noise', 'variational_bound_terms', 'glide_config_from_options', 'glide_key_table',
+           'convert_openai_glide', 'to_openai_glide', 'openai_glide_call', 'glide_tokenizer', 'openai_glide_model']
 
 # %% ../../nbs/04c_glide.ipynb #f61a26c5
 class GlideTextConfig(CLIPTextConfig):
@@ -443,25 +444,30 @@ def _per_head(w:torch.Tensor, heads:int, n:int) -> list[torch.Tensor]:
     w = w.reshape(heads, n, rows // heads // n, *w.shape[1:])
     return [w[:, i].reshape(rows // n, *w.shape[3:]) for i in range(n)]
 
-def _glide_keys(cfg:GlideConfig, sd:dict, take) -> dict:
-    "Our UNet's state dict from OpenAI's `sd`; `take(key)` reads (and marks) a source tensor."
-    out, ch, L, n = {}, cfg.block_out_channels, len(cfg.block_out_channels), cfg.layers_per_block
-    def res(src, dst):
-        for a, b in (('in_layers.0', 'norm1'), ('in_layers.2', 'conv1'), ('emb_layers.1', 'time_emb_proj'), ('out_layers.0', 'norm2'),
-                     ('out_layers.3', 'conv2'), ('skip_connection', 'conv_shortcut')):
-            for p in ('weight', 'bias'):
-                if f'{src}.{a}.{p}' in sd: out[f'{dst}.{b}.{p}'] = take(f'{src}.{a}.{p}')
-    def attn(src, dst, level):
-        h = ch[level] // cfg.attention_head_dim
+def _join_heads(parts:list[torch.Tensor], heads:int, conv:bool) -> torch.Tensor:
+    "`_per_head` undone: n tensors back into OpenAI's fused projection (with a 1x1 convolution's last axis when `conv`)."
+    rows = parts[0].shape[0]
+    w = torch.stack([p.reshape(heads, rows // heads, *p.shape[1:]) for p in parts], 1).reshape(len(parts) * rows, *parts[0].shape[1:])
+    return w[..., None] if conv and w.dim() == 2 else w
+
+def glide_key_table(cfg:GlideConfig, ours:set[str]) -> list[tuple[str, list[str], int|None, bool]]:
+    "Every tensor of OpenAI's GLIDE with its place here: (OpenAI key, our keys, heads or None for a plain copy, whether it is a 1x1 convolution); `ours`: our UNet's and text model's keys (text ones prefixed 'text.')."
+    T, ch, L, n = [], cfg.block_out_channels, len(cfg.block_out_channels), cfg.layers_per_block
+    def plain(a, b, prefix=''):
         for p in ('weight', 'bias'):
-            out[f'{dst}.group_norm.{p}'] = take(f'{src}.norm.{p}')
-            out[f'{dst}.to_q.{p}'], out[f'{dst}.to_k.{p}'], out[f'{dst}.to_v.{p}'] = _per_head(take(f'{src}.qkv.{p}'), h, 3)
-            out[f'{dst}.add_k_proj.{p}'], out[f'{dst}.add_v_proj.{p}'] = _per_head(take(f'{src}.encoder_kv.{p}'), h, 2)
-            out[f'{dst}.to_out.0.{p}'] = _per_head(take(f'{src}.proj_out.{p}'), 1, 1)[0]
-    for p in ('weight', 'bias'):
-        for a, b in (('time_embed.0', 'time_embedding.linear_1'), ('time_embed.2', 'time_embedding.linear_2'), ('input_blocks.0.0', 'conv_in'),
-                     ('out.0', 'conv_norm_out'), ('out.2', 'conv_out'), ('transformer_proj', 'class_embedding')):
-            out[f'{b}.{p}'] = take(f'{a}.{p}')
+            if prefix + f'{b}.{p}' in ours: T.append((f'{a}.{p}', [prefix + f'{b}.{p}'], None, False))
+    def res(s, d):
+        for a, b in (('in_layers.0', 'norm1'), ('in_layers.2', 'conv1'), ('emb_layers.1', 'time_emb_proj'), ('out_layers.0', 'norm2'),
+                     ('out_layers.3', 'conv2'), ('skip_connection', 'conv_shortcut')): plain(f'{s}.{a}', f'{d}.{b}')
+    def attn(s, d, level):
+        h = ch[level] // cfg.attention_head_dim
+        plain(f'{s}.norm', f'{d}.group_norm')
+        for p in ('weight', 'bias'):
+            T.append((f'{s}.qkv.{p}', [f'{d}.to_q.{p}', f'{d}.to_k.{p}', f'{d}.to_v.{p}'], h, True))
+            T.append((f'{s}.encoder_kv.{p}', [f'{d}.add_k_proj.{p}', f'{d}.add_v_proj.{p}'], h, True))
+            T.append((f'{s}.proj_out.{p}', [f'{d}.to_out.0.{p}'], 1, True))
+    for a, b in (('time_embed.0', 'time_embedding.linear_1'), ('time_embed.2', 'time_embedding.linear_2'), ('input_blocks.0.0', 'conv_in'),
+                 ('out.0', 'conv_norm_out'), ('out.2', 'conv_out'), ('transformer_proj', 'class_embedding')): plain(a, b)
     k = 1
     for level in range(L):
         for j in range(n):
@@ -478,47 +484,59 @@ def _glide_keys(cfg:GlideConfig, sd:dict, take) -> dict:
             if cfg.attention_levels[level]: attn(f'output_blocks.{k}.1', f'up_blocks.{i}.attentions.{j}', level); s = 2
             if j == n and level > 0: res(f'output_blocks.{k}.{s}', f'up_blocks.{i}.upsamplers.0')
             k += 1
-    return out
+    T += [('token_embedding.weight', ['text.token_embedding.weight'], None, False), ('positional_embedding', ['text.position_embedding'], None, False),
+          ('padding_embedding', ['text.padding_embedding'], None, False)]
+    plain('final_ln', 'final_layer_norm', 'text.')
+    for i in range(cfg.text_layers):
+        s, d = f'transformer.resblocks.{i}', f'encoder.layers.{i}'
+        for p in ('weight', 'bias'): T.append((f'{s}.attn.c_qkv.{p}', [f'text.{d}.self_attn.{x}_proj.{p}' for x in 'qkv'], cfg.text_heads, False))
+        for a, b in (('attn.c_proj', 'self_attn.out_proj'), ('ln_1', 'layer_norm1'), ('ln_2', 'layer_norm2'), ('mlp.c_fc', 'mlp.fc1'), ('mlp.c_proj', 'mlp.fc2')):
+            plain(f'{s}.{a}', f'{d}.{b}', 'text.')
+    return T
 
-def _glide_text_keys(cfg:GlideConfig, take) -> dict:
-    "Our text model's state dict from OpenAI's text transformer."
-    t = {'token_embedding.weight': take('token_embedding.weight'), 'position_embedding': take('positional_embedding'),
-         'padding_embedding': take('padding_embedding')}
-    for p in ('weight', 'bias'):
-        t[f'final_layer_norm.{p}'] = take(f'final_ln.{p}')
-        for i in range(cfg.text_layers):
-            s, d = f'transformer.resblocks.{i}', f'encoder.layers.{i}'
-            t[f'{d}.self_attn.q_proj.{p}'], t[f'{d}.self_attn.k_proj.{p}'], t[f'{d}.self_attn.v_proj.{p}'] = _per_head(take(f'{s}.attn.c_qkv.{p}'), cfg.text_heads, 3)
-            for a, b in (('attn.c_proj', 'self_attn.out_proj'), ('ln_1', 'layer_norm1'), ('ln_2', 'layer_norm2'), ('mlp.c_fc', 'mlp.fc1'), ('mlp.c_proj', 'mlp.fc2')):
-                t[f'{d}.{b}.{p}'] = take(f'{s}.{a}.{p}')
-    return t
+def _glide_skeleton(cfg:GlideConfig, super_res:bool, vocab:int) -> tuple[UNet2DConditionModel, GlideTextModel]:
+    "A UNet and text model of `cfg`'s shapes on the meta device (no memory), to be filled by `load_state_dict(assign=True)`."
+    with torch.device('meta'):
+        unet = build_glide_unet(cfg, in_channels=6 if super_res else 3)
+        te = GlideTextModel(GlideTextConfig(vocab_size=vocab, hidden_size=cfg.text_width, intermediate_size=4 * cfg.text_width,
+                                            num_hidden_layers=cfg.text_layers, num_attention_heads=cfg.text_heads, max_position_embeddings=cfg.text_ctx,
+                                            hidden_act='gelu', pad_token_id=vocab - 1, eos_token_id=vocab - 1, bos_token_id=vocab - 1, appends_end_token=False))
+    return unet, te
 
 def convert_openai_glide(state_dict:dict, options:dict|None=None) -> tuple[GlideConfig, UNet2DConditionModel, GlideTextModel]:
     "OpenAI GLIDE weights (`base.pt` / `upsample.pt` state dict, float16 or 32) and their `options` (None: the published ones) as our config, UNet and text model, float32."
-    options = options if options is not None else GLIDE_OPTIONS['upsample' if 'input_blocks.0.0.weight' in state_dict and state_dict['input_blocks.0.0.weight'].shape[1] == 6 else 'base']
-    cfg = glide_config_from_options(options)
+    super_res = 'input_blocks.0.0.weight' in state_dict and state_dict['input_blocks.0.0.weight'].shape[1] == 6
+    if options is None: options = GLIDE_OPTIONS['upsample' if super_res else 'base']
+    cfg, super_res = glide_config_from_options(options), bool({**GLIDE_OPTIONS['base'], **options}.get('super_res'))
     sd = {k: v.float() for k, v in state_dict.items()}
-    used, missing = set(), []
-    def take(k):
-        if k not in sd: missing.append(k); return torch.zeros(0)
-        used.add(k); return sd[k]
-    super_res = bool({**GLIDE_OPTIONS['base'], **options}.get('super_res'))
-    unet_sd, text_sd = _glide_keys(cfg, sd, take), _glide_text_keys(cfg, take)
-    unused = sorted(set(sd) - used)
+    vocab = sd['token_embedding.weight'].shape[0] if 'token_embedding.weight' in sd else 50257
+    unet, te = _glide_skeleton(cfg, super_res, vocab)
+    table = glide_key_table(cfg, set(unet.state_dict()) | {'text.' + k for k in te.state_dict()})
+    missing, ours = [s for s, *_ in table if s not in sd], {}
+    unused = sorted(set(sd) - {s for s, *_ in table})
     if missing or unused:
-        raise ConfigError(f"the checkpoint does not fit GLIDE options {options if options is not None else 'published'}: "
+        raise ConfigError(f"the checkpoint does not fit GLIDE options {options}: "
                           + (f"{len(missing)} keys missing ({missing[:6]}{' ...' if len(missing) > 6 else ''})" if missing else '')
                           + ('; ' if missing and unused else '')
                           + (f"{len(unused)} keys unused ({unused[:6]}{' ...' if len(unused) > 6 else ''})" if unused else '')
                           + ". Pass the options it was built with (--options FILE.json).")
-    with torch.device('meta'): unet = build_glide_unet(cfg, in_channels=6 if super_res else 3)
-    unet.load_state_dict(unet_sd, strict=True, assign=True)
-    vocab = sd['token_embedding.weight'].shape[0]
-    te = GlideTextModel(GlideTextConfig(vocab_size=vocab, hidden_size=cfg.text_width, intermediate_size=4 * cfg.text_width, num_hidden_layers=cfg.text_layers,
-                                        num_attention_heads=cfg.text_heads, max_position_embeddings=cfg.text_ctx, hidden_act='gelu',
-                                        pad_token_id=vocab - 1, eos_token_id=vocab - 1, bos_token_id=vocab - 1, appends_end_token=False))
-    te.load_state_dict(text_sd, strict=True)
+    for s, dsts, heads, conv in table:
+        parts = [sd[s]] if heads is None else _per_head(sd[s], heads, len(dsts))
+        ours.update(zip(dsts, parts))
+    try:
+        unet.load_state_dict({k: v for k, v in ours.items() if not k.startswith('text.')}, strict=True, assign=True)
+        te.load_state_dict({k[5:]: v for k, v in ours.items() if k.startswith('text.')}, strict=True, assign=True)
+    except RuntimeError as e: raise ConfigError(f"the checkpoint's tensors do not have the shapes GLIDE options {options} give: {str(e)[:400]}") from None
+    te.position_embedding, te.padding_embedding = nn.Parameter(te.position_embedding.data), nn.Parameter(te.padding_embedding.data)
     return cfg, unet.eval(), te.eval()
+
+def to_openai_glide(unet:UNet2DConditionModel, text_model:GlideTextModel, cfg:GlideConfig, dtype:torch.dtype=torch.float32) -> dict:
+    "The state dict OpenAI's GLIDE code loads (`model.load_state_dict`), from our UNet and text model: `convert_openai_glide` undone."
+    ours = {**unet.state_dict(), **{'text.' + k: v for k, v in text_model.state_dict().items()}}
+    out = {}
+    for s, dsts, heads, conv in glide_key_table(cfg, set(ours)):
+        out[s] = ours[dsts[0]] if heads is None else _join_heads([ours[d] for d in dsts], heads, conv)
+    return {k: v.detach().to(dtype).contiguous() for k, v in out.items()}
 
 def openai_glide_call(unet:UNet2DConditionModel, text_model:GlideTextModel, x_t:torch.Tensor, t:torch.Tensor, tokens:torch.Tensor,
                       mask:torch.Tensor, low_res:torch.Tensor|None=None) -> torch.Tensor:
@@ -527,3 +545,37 @@ def openai_glide_call(unet:UNet2DConditionModel, text_model:GlideTextModel, x_t:
     if low_res is not None:    # the upsampler reads the low-resolution image bilinearly upsampled (corners not aligned), next to x_t
         x_t = torch.cat([x_t, F.interpolate(low_res, x_t.shape[-2:], mode='bilinear', align_corners=False)], dim=1)
     return unet(x_t, t, encoder_hidden_states=states).sample
+
+# %% ../../nbs/04c_glide.ipynb #952a0d99
+GLIDE_END_TOKEN = '<|endoftext|>'
+
+def glide_tokenizer(bpe_dir:str|Path|None=None, text_ctx:int=128):
+    "GLIDE's tokenizer: GPT-2's byte-level BPE (`encoder.json` + `vocab.bpe` in `bpe_dir`, gzipped or not; None: GPT-2's from the Hub), lowercased, padded with the end token to `text_ctx`, no end token appended."
+    import gzip
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    if bpe_dir is None:
+        from huggingface_hub import hf_hub_download
+        files = {n: hf_hub_download('openai-community/gpt2', f) for n, f in (('encoder.json', 'vocab.json'), ('vocab.bpe', 'merges.txt'))}
+    else:
+        d = Path(bpe_dir)
+        files = {n: next((d/f for f in (n, n + '.gz') if (d/f).is_file()), None) for n in ('encoder.json', 'vocab.bpe')}
+        if None in files.values(): raise FileNotFoundError(f"{d} lacks {[n for n, f in files.items() if f is None]}: pass the folder holding GLIDE's BPE files (glide_text2im/tokenizer/ has encoder.json.gz and vocab.bpe.gz).")
+    read = lambda f: (gzip.open(f) if str(f).endswith('.gz') else open(f, 'rb')).read().decode('utf-8')
+    vocab = json.loads(read(files['encoder.json']))
+    merges = [tuple(l.split()) for l in read(files['vocab.bpe']).splitlines()[1:] if l.strip()]   # the first line is a version header
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.normalizer, tk.pre_tokenizer, tk.decoder = normalizers.Lowercase(), pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=GLIDE_END_TOKEN, eos_token=GLIDE_END_TOKEN, pad_token=GLIDE_END_TOKEN,
+                                   unk_token=GLIDE_END_TOKEN, model_max_length=text_ctx, padding_side='right')
+
+# %% ../../nbs/04c_glide.ipynb #759c8a03
+def openai_glide_model(state_dict:dict, options:dict|None=None, bpe_dir:str|Path|None=None) -> GlideDiffusion:
+    "OpenAI's GLIDE base (`base.pt`'s state dict and options, None: the published ones) as a `GlideDiffusion` with GLIDE's tokenizer (BPE files from `bpe_dir`, None: GPT-2's) and schedule."
+    o = {**GLIDE_OPTIONS['base'], **(options or {})}
+    if o['super_res'] or ('input_blocks.0.0.weight' in state_dict and state_dict['input_blocks.0.0.weight'].shape[1] != 3):
+        raise ConfigError("this is GLIDE's upsampler (super_res): its weights convert (convert_openai_glide, openai_glide_call), but a GlideUpsampler "
+                          "folder for them is not written yet (GlideUpsampler conditions like IF's stage II, GLIDE's upsampler does not).")
+    cfg, unet, text_model = convert_openai_glide(state_dict, options)
+    te = TextEncoder(glide_tokenizer(bpe_dir, cfg.text_ctx), text_model, trainable=cfg.train_text_encoder)
+    return GlideDiffusion(unet, te, build_glide_scheduler(cfg), cfg.uncond_p, cfg)
