@@ -19,13 +19,16 @@ def read_openai_checkpoint(path:str|Path) -> dict:
     return sd
 
 def convert_glide(checkpoint:str|Path, output_dir:str|Path, options:str|Path|None=None, bpe_dir:str|Path|None=None) -> Path:
-    "Write the `GlideDiffusion` folder of OpenAI GLIDE checkpoint `checkpoint` to `output_dir` (a new or empty folder)."
+    "Write the `GlideDiffusion` (base) or `GlideUpsampler` folder of OpenAI GLIDE checkpoint `checkpoint` to `output_dir` (a new or empty folder)."
     from imagegen.diffusion.glide import openai_glide_model
+    from imagegen.diffusion.upsampler import openai_glide_upsampler
     out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty: choose a new --output_dir (nothing is overwritten).")
     opts = json.loads(Path(options).read_text()) if options else None
-    model = openai_glide_model(read_openai_checkpoint(checkpoint), opts, bpe_dir=bpe_dir)
+    sd = read_openai_checkpoint(checkpoint)
+    super_res = opts.get('super_res') if opts else sd.get('input_blocks.0.0.weight', torch.zeros(0, 3)).shape[1] == 6   # upsample.pt reads 6 channels
+    model = (openai_glide_upsampler if super_res else openai_glide_model)(sd, opts, bpe_dir=bpe_dir)
     tmp = out.with_name(f".tmp-{out.name}")
     if tmp.exists(): shutil.rmtree(tmp)
     model.save_pretrained(tmp)
@@ -36,14 +39,17 @@ def convert_glide(checkpoint:str|Path, output_dir:str|Path, options:str|Path|Non
 
 def export_openai(model_dir:str|Path, output:str|Path, half:bool=False) -> Path:
     "Write the model in `model_dir` (a GLIDE folder with OpenAI's layout: converted, or fine-tuned from a converted one) as the state dict OpenAI's code loads."
-    from imagegen.diffusion.glide import GlideDiffusion, GlideUNet, to_openai_glide
-    m = GlideDiffusion.from_pretrained(model_dir)
-    if not isinstance(m.unet, GlideUNet) or not m.config or not m.config.last_token_proj:
+    from imagegen.diffusion.glide import to_openai_glide
+    from imagegen.models import load_model
+    m = load_model(model_dir)
+    if not hasattr(m, 'unet') or not hasattr(m.unet.config, 'class_embed_type'):
+        raise ConfigError(f"{model_dir} is a {type(m).__name__}, not a GLIDE model: --to_openai writes GLIDE models converted from OpenAI's.")
+    if m.unet.config.class_embed_type != 'simple_projection':
         raise ConfigError(f"{model_dir} is a GLIDE model of this project's own layout, which OpenAI's code cannot load: --to_openai writes models "
                           "converted from OpenAI's (or fine-tuned from one).")
     out = Path(output)
     if out.exists(): raise FileExistsError(f"{out} exists: choose a new --output (nothing is overwritten).")
-    sd = to_openai_glide(m.unet, m.text_encoder.model, m.config, dtype=torch.float16 if half else torch.float32)
+    sd = to_openai_glide(m.unet, m.text_encoder.model, dtype=torch.float16 if half else torch.float32)   # its shape read off the modules
     tmp = out.with_name(f".tmp-{out.name}")
     torch.save(sd, tmp); os.replace(tmp, out)
     return out
@@ -51,7 +57,7 @@ def export_openai(model_dir:str|Path, output:str|Path, half:bool=False) -> Path:
 def main(argv:list[str]|None=None) -> Path:
     "Convert OpenAI's GLIDE base.pt into a GlideDiffusion folder, or (--to_openai) a GLIDE folder back into OpenAI's state dict; see --help."
     p = argparse.ArgumentParser(prog='convert_glide.py', description=main.__doc__, allow_abbrev=False)
-    p.add_argument('--checkpoint', help="OpenAI's base.pt (a state dict)")
+    p.add_argument('--checkpoint', help="OpenAI's base.pt or upsample.pt (a state dict)")
     p.add_argument('--output_dir', help='new folder for the converted model (must not exist or be empty)')
     p.add_argument('--options', help="JSON file of the options the checkpoint was built with (glide_text2im's create_model_and_diffusion arguments); default: the published base.pt's")
     p.add_argument('--bpe_dir', help="folder with GLIDE's BPE files (encoder.json[.gz], vocab.bpe[.gz]); default: GPT-2's from the Hub")
@@ -67,8 +73,9 @@ def main(argv:list[str]|None=None) -> Path:
         return out
     if not (a.checkpoint and a.output_dir) or a.model or a.output or a.fp16: p.error('convert with --checkpoint FILE.pt --output_dir DIR (or use --to_openai --model DIR --output FILE.pt).')
     out = convert_glide(a.checkpoint, a.output_dir, a.options, a.bpe_dir)
-    print(f"{out}: a GlideDiffusion folder; sample it with scripts/sample.py --model {out}, fine-tune it with "
-          f"scripts/train_glide.py --stage base --pretrained_model_name_or_path {out}")
+    stage = 'upsample' if (out/'image_noising_scheduler').is_dir() else 'base'
+    print(f"{out}: a GLIDE {stage} folder; sample it with scripts/sample.py ({'--upsampler' if stage == 'upsample' else '--model'} {out}), fine-tune it with "
+          f"scripts/train_glide.py --stage {stage} --pretrained_model_name_or_path {out}")
     return out
 
 if __name__ == '__main__' and '__file__' in globals(): run_cli(main, prog='convert_glide.py')   # run as a script (a notebook has no __file__)

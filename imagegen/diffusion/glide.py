@@ -26,7 +26,8 @@ from ..training.loop import make_optimizer
 __all__ = ['GLIDE_FILE', 'GLIDE_OPTIONS', 'GLIDE_END_TOKEN', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'GlideUNet',
            'build_glide_unet', 'build_glide_text_model', 'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion',
            'predicted_noise', 'variational_bound_terms', 'glide_config_from_options', 'glide_key_table',
-           'convert_openai_glide', 'to_openai_glide', 'openai_glide_call', 'glide_tokenizer', 'openai_glide_model']
+           'convert_openai_glide', 'glide_config_of', 'to_openai_glide', 'openai_glide_call', 'glide_tokenizer',
+           'openai_glide_model']
 
 # %% ../../nbs/04c_glide.ipynb #f61a26c5
 class GlideTextConfig(CLIPTextConfig):
@@ -240,7 +241,9 @@ def from_config(cls:GlideDiffusion, cfg:GlideConfig|str='tiny', corpus:list[str]
     cfg = GlideConfig.preset(cfg) if isinstance(cfg, str) else cfg
     if cfg.pretrained_model_name_or_path:
         m = cls.from_pretrained(cfg.pretrained_model_name_or_path, train_text_encoder=cfg.train_text_encoder)
-        m.uncond_p, m.config = cfg.uncond_p, cfg
+        run = {k: getattr(cfg, k) for k in ('pretrained_model_name_or_path', 'uncond_p', 'snr_gamma', 'train_text_encoder')}
+        # the loaded model's architecture (what its record says), with what this run sets for training it
+        m.uncond_p, m.config = cfg.uncond_p, (GlideConfig.from_dict({**m.config.to_dict(), **run}) if m.config else cfg)
         if sample_prompts: m.sample_prompts = list(sample_prompts)
         return m
     torch.manual_seed(seed)
@@ -530,8 +533,19 @@ def convert_openai_glide(state_dict:dict, options:dict|None=None) -> tuple[Glide
     te.position_embedding, te.padding_embedding = nn.Parameter(te.position_embedding.data), nn.Parameter(te.padding_embedding.data)
     return cfg, unet.eval(), te.eval()
 
-def to_openai_glide(unet:UNet2DConditionModel, text_model:GlideTextModel, cfg:GlideConfig, dtype:torch.dtype=torch.float32) -> dict:
-    "The state dict OpenAI's GLIDE code loads (`model.load_state_dict`), from our UNet and text model: `convert_openai_glide` undone."
+def glide_config_of(unet:UNet2DConditionModel, text_model:GlideTextModel) -> GlideConfig:
+    "The shape of a UNet and text model in OpenAI's layout, read off the modules themselves (what `glide_key_table` needs)."
+    c, t = unet.config, text_model.config
+    if c.class_embed_type != 'simple_projection':
+        raise ConfigError("this GLIDE UNet has no last-token text projection (OpenAI's transformer_proj): it is of this project's own layout, which OpenAI's code cannot load.")
+    return GlideConfig(resolution=c.sample_size, text_width=t.hidden_size, text_layers=t.num_hidden_layers, text_heads=t.num_attention_heads,
+                       text_ctx=t.max_position_embeddings, block_out_channels=tuple(c.block_out_channels),
+                       attention_levels=tuple('Attn' in b for b in c.down_block_types), layers_per_block=c.layers_per_block,
+                       attention_head_dim=c.attention_head_dim, pooled_text=False, last_token_proj=True, only_cross_attention=False)
+
+def to_openai_glide(unet:UNet2DConditionModel, text_model:GlideTextModel, cfg:GlideConfig|None=None, dtype:torch.dtype=torch.float32) -> dict:
+    "The state dict OpenAI's GLIDE code loads (`model.load_state_dict`), from our UNet and text model (`cfg` None: read off them): `convert_openai_glide` undone."
+    cfg = cfg or glide_config_of(unet, text_model)
     ours = {**unet.state_dict(), **{'text.' + k: v for k, v in text_model.state_dict().items()}}
     out = {}
     for s, dsts, heads, conv in glide_key_table(cfg, set(ours)):
@@ -574,8 +588,8 @@ def openai_glide_model(state_dict:dict, options:dict|None=None, bpe_dir:str|Path
     "OpenAI's GLIDE base (`base.pt`'s state dict and options, None: the published ones) as a `GlideDiffusion` with GLIDE's tokenizer (BPE files from `bpe_dir`, None: GPT-2's) and schedule."
     o = {**GLIDE_OPTIONS['base'], **(options or {})}
     if o['super_res'] or ('input_blocks.0.0.weight' in state_dict and state_dict['input_blocks.0.0.weight'].shape[1] != 3):
-        raise ConfigError("this is GLIDE's upsampler (super_res): its weights convert (convert_openai_glide, openai_glide_call), but a GlideUpsampler "
-                          "folder for them is not written yet (GlideUpsampler conditions like IF's stage II, GLIDE's upsampler does not).")
+        raise ConfigError("this is GLIDE's upsampler (super_res): convert it with imagegen.diffusion.upsampler.openai_glide_upsampler "
+                          "(scripts/convert_glide.py picks it by itself).")
     cfg, unet, text_model = convert_openai_glide(state_dict, options)
     te = TextEncoder(glide_tokenizer(bpe_dir, cfg.text_ctx), text_model, trainable=cfg.train_text_encoder)
     return GlideDiffusion(unet, te, build_glide_scheduler(cfg), cfg.uncond_p, cfg)

@@ -14,14 +14,15 @@ from diffusers import DDPMScheduler, IFSuperResolutionPipeline, ModelMixin, UNet
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from fastcore.basics import patch
 from ..config import ConfigError, model_record, sampling_settings
-from .glide import (GLIDE_FILE, GlideConfig, GlideDiffusion, _glide_tokenizer, _load_glide_parts,
-                                      build_glide_scheduler, build_glide_text_model, build_glide_unet)
+from .glide import (GLIDE_FILE, GLIDE_OPTIONS, GlideConfig, GlideDiffusion, GlideUNet, _glide_tokenizer, _load_glide_parts,
+                                      build_glide_scheduler, build_glide_text_model, build_glide_unet, convert_openai_glide, glide_tokenizer)
 from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents, unpin_defaults
 from ..text import TextEncoder
 
 # %% auto #0
 __all__ = ['UPSAMPLER_SAMPLER', 'UPSAMPLER_STEPS', 'UpsamplerConfig', 'build_upsampler_unet', 'build_noising_scheduler',
-           'ConditionSkipUNet', 'realign_matrix', 'GlideUpsampler', 'sample_cascade', 'upsampler_report']
+           'ConditionSkipUNet', 'realign_matrix', 'GlideUpsampler', 'sample_cascade', 'upsampler_report',
+           'openai_glide_upsampler']
 
 # %% ../../nbs/04d_upsampler.ipynb #521078d9
 @dataclass
@@ -41,6 +42,7 @@ class UpsamplerConfig(GlideConfig):
     condition_skip_scale_output:bool = False  # with condition_skip_flat_std: the UNet's output scaled per pixel by the assumed error std over condition_skip_std (EDM's c_out)
     condition_skip_loss_weight:bool = False  # with condition_skip_scale_output: the per-pixel MSE weighted by condition_skip_std² over the assumed error variance (EDM's 1/c_out²)
     condition_realign:bool = True         # with condition_skip_std: the UNet turns IF's bilinear upsampling (corners aligned) of its input into bicubic on pixel centres
+    glide_condition:bool = False         # OpenAI GLIDE's upsampler: the low-resolution image upsampled bilinearly on pixel centres, no augmentation level (needs last_token_proj); False: IF's
 
     presets = {
         'tiny': dict(),
@@ -67,6 +69,9 @@ class UpsamplerConfig(GlideConfig):
         if self.condition_skip_std is not None and self.condition_realign and self.resolution % self.low_res:
             raise ConfigError(f"UpsamplerConfig.condition_realign needs resolution={self.resolution} to be a multiple of low_res={self.low_res}; "
                               "set condition_realign: false for other ratios.")
+        if self.glide_condition and (not self.last_token_proj or self.noise_aug_max or self.noise_level or self.condition_skip_std is not None):
+            raise ConfigError("UpsamplerConfig.glide_condition is OpenAI GLIDE's upsampler: it needs last_token_proj true, noise_aug_max 0, noise_level 0 "
+                              "and no condition_skip_std (its class embedding carries the text, not an augmentation level).")
         if self.train_crop is not None:
             step = math.lcm(self.resolution // self.low_res, 2 ** (len(self.block_out_channels) - 1))
             if self.resolution % self.low_res or not 0 < self.train_crop <= self.resolution or self.train_crop % step:
@@ -76,6 +81,7 @@ class UpsamplerConfig(GlideConfig):
 # %% ../../nbs/04d_upsampler.ipynb #40822c50
 def build_upsampler_unet(cfg:UpsamplerConfig, **overrides) -> UNet2DConditionModel:
     "The upsampler's UNet: GLIDE's, reading (noisy image, upsampled low-resolution image), the augmentation level as class embedding; a `ConditionSkipUNet` with `cfg.condition_skip_std`."
+    if cfg.glide_condition: return build_glide_unet(cfg, in_channels=6, **overrides)      # the class embedding is the text projection (GlideUNet)
     overrides = {'class_embed_type': 'timestep', **overrides}
     if cfg.condition_skip_std is None: return build_glide_unet(cfg, in_channels=6, **overrides)
     keys = ('num_train_timesteps', 'beta_start', 'beta_end', 'beta_schedule', 'trained_betas')
@@ -200,13 +206,18 @@ class GlideUpsampler(GlideDiffusion):
         self.low_res = low_res or unet.config.sample_size // 4
         self.sample_images = None                       # low-resolution images for the training loop's grids
 
+    @property
+    def glide_condition(self) -> bool:
+        "OpenAI GLIDE's conditioning (a `GlideUNet` whose class embedding is the text projection) rather than IF's (augmentation level)."
+        return self.unet.config.class_embed_type == 'simple_projection'
+
 @patch
 def upsample(self:GlideUpsampler, low:torch.Tensor, size:int|None=None) -> torch.Tensor:
-    "Low-resolution images (B, 3, h, w) in [-1, 1] -> bilinear (align_corners=True, as IF) at `size` (default: the model's resolution)."
+    "Low-resolution images (B, 3, h, w) in [-1, 1] -> bilinear at `size` (default: the model's resolution): corners aligned as IF, or on pixel centres as GLIDE."
     if low.ndim != 4 or low.shape[1] != self.image_channels:
         raise ValueError(f"low-resolution images must be (B, 3, h, w) in [-1, 1], got {tuple(low.shape)}.")
     size = size or self.resolution
-    return F.interpolate(low.float(), (size, size), mode='bilinear', align_corners=True)
+    return F.interpolate(low.float(), (size, size), mode='bilinear', align_corners=not self.glide_condition)
 
 @patch
 def degrade(self:GlideUpsampler, high:torch.Tensor) -> torch.Tensor:
@@ -227,7 +238,11 @@ def from_config(cls:GlideUpsampler, cfg:UpsamplerConfig|str='tiny', corpus:list[
     cfg = UpsamplerConfig.preset(cfg) if isinstance(cfg, str) else cfg
     if cfg.pretrained_model_name_or_path:
         m = cls.from_pretrained(cfg.pretrained_model_name_or_path, train_text_encoder=cfg.train_text_encoder)
-        m.uncond_p, m.config, m.noise_aug_max, m.noise_level = cfg.uncond_p, cfg, cfg.noise_aug_max, cfg.noise_level
+        run = {k: getattr(cfg, k) for k in ('pretrained_model_name_or_path', 'uncond_p', 'snr_gamma', 'train_text_encoder', 'noise_aug_max', 'noise_level', 'train_crop')}
+        if m.glide_condition: run.update(noise_aug_max=0, noise_level=0)     # GLIDE's upsampler takes no augmentation level
+        # the loaded model's architecture (what its record says), with what this run sets for training it
+        m.uncond_p, m.config = cfg.uncond_p, (UpsamplerConfig.from_dict({**m.config.to_dict(), **run}) if m.config else cfg)
+        m.noise_aug_max, m.noise_level = m.config.noise_aug_max, m.config.noise_level
         if sample_prompts: m.sample_prompts = list(sample_prompts)
         return m
     torch.manual_seed(seed)
@@ -244,6 +259,7 @@ def condition(self:GlideUpsampler, x0:torch.Tensor, generator:torch.Generator|No
     if x0.shape[-1] != x0.shape[-2] or x0.shape[-1] not in (self.resolution, crop):
         raise ValueError(f"GlideUpsampler.loss: images are {tuple(x0.shape[-2:])} but the upsampler makes {self.resolution}x{self.resolution}: load the data at its resolution.")
     cond = self.upsample(self.degrade(x0), x0.shape[-1])
+    if self.glide_condition: return cond, {}                     # GLIDE's: no augmentation level (the class embedding carries the text)
     level = draw_timesteps(self.noise_aug_max + 1, len(x0), generator, x0.device)
     cond = self.noising_scheduler.add_noise(cond, draw_noise(cond.shape, generator, x0.device), level)
     return cond, {'class_labels': level}
@@ -286,14 +302,15 @@ def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:to
     x = draw_noise((len(prompts), self.image_channels, res, res), generator)           # IF's order: initial noise, then
     up = self.upsample(low_res_images.cpu())
     levels = torch.full((len(prompts),), level, dtype=torch.long)
-    cond = self.noising_scheduler.add_noise(up, draw_noise(up.shape, generator, up.device), levels)  # the augmentation noise
+    cond = up if self.glide_condition else self.noising_scheduler.add_noise(up, draw_noise(up.shape, generator, up.device), levels)  # the augmentation noise
     modules = (self.unet, self.text_encoder.model)
     was = [m.training for m in modules]
     for m in modules: m.eval()
     try:
         with torch.no_grad(): c, u = self.text_encoder.encode(prompts), self.text_encoder.empty_embedding(len(prompts))
         x = sample_latents(self.unet, make_scheduler(sampler, self.scheduler), c, u, guidance_scale=guidance_scale, steps=num_inference_steps,
-                           latents=x.to(dev), generator=generator, progress=False, concat=cond.to(dev), class_labels=levels.to(dev))
+                           latents=x.to(dev), generator=generator, progress=False, concat=cond.to(dev),
+                           class_labels=None if self.glide_condition else levels.to(dev))
     finally:
         for m, w in zip(modules, was): m.train(w)
     return x.clamp(-1, 1)
@@ -355,6 +372,7 @@ def save_pretrained(self:GlideUpsampler, save_directory:str|Path, sampler:str|No
     index = json.loads((d/'model_index.json').read_text())
     index['text_encoder'] = ['imagegen.diffusion.glide', 'GlideTextModel']
     if isinstance(self.unet, ConditionSkipUNet): index['unet'] = ['imagegen.diffusion.upsampler', 'ConditionSkipUNet']
+    if isinstance(self.unet, GlideUNet): index['unet'] = ['imagegen.diffusion.glide', 'GlideUNet']
     (d/'model_index.json').write_text(json.dumps(index, indent=2))
     meta = model_record(self, sampling=self.sampling, stage='upsample', uncond_p=self.uncond_p, sample_prompts=self.sample_prompts,
                         noise_aug_max=self.noise_aug_max, noise_level=self.noise_level, low_res=self.low_res,
@@ -369,9 +387,21 @@ def from_pretrained(cls:GlideUpsampler, path:str|Path, train_text_encoder:bool|N
     if p.exists() and not (p/'image_noising_scheduler').is_dir():
         raise ValueError(f"{p} is not an upsampler folder (no image_noising_scheduler/): a base model loads with GlideDiffusion.from_pretrained.")
     unet, te, sched, meta, cfg = _load_glide_parts(path, UpsamplerConfig, train_text_encoder, cache_dir, revision,
-                                                   unet_classes=(UNet2DConditionModel, ConditionSkipUNet))
+                                                   unet_classes=(UNet2DConditionModel, ConditionSkipUNet, GlideUNet))
     noising = DDPMScheduler.from_pretrained(str(path), subfolder='image_noising_scheduler', cache_dir=cache_dir, revision=revision)
     m = cls(unet, te, sched, noising, meta.get('uncond_p', 0.0), cfg, meta.get('sample_prompts'),
             meta.get('noise_aug_max', 250), meta.get('noise_level', 100), meta.get('low_res'))
     m.sampling = sampling_settings(m.sampling, **meta.get('sampling', {}))     # as saved; a folder from before this record: the defaults
     return m
+
+# %% ../../nbs/04d_upsampler.ipynb #8ce985ab
+def openai_glide_upsampler(state_dict:dict, options:dict|None=None, bpe_dir:str|Path|None=None) -> GlideUpsampler:
+    "OpenAI's GLIDE upsampler (`upsample.pt`'s state dict and options, None: the published ones) as a `GlideUpsampler` with GLIDE's conditioning, tokenizer and schedule."
+    o = {**GLIDE_OPTIONS['upsample'], **(options or {})}
+    if not o['super_res']: raise ConfigError("these options are of GLIDE's base model (super_res false): convert it with openai_glide_model.")
+    base, unet, text_model = convert_openai_glide(state_dict, o)
+    cfg = UpsamplerConfig(**{**base.to_dict(), 'low_res': base.resolution // 4, 'glide_condition': True, 'noise_aug_max': 0, 'noise_level': 0,
+                             'uncond_p': 0.0})
+    te = TextEncoder(glide_tokenizer(bpe_dir, cfg.text_ctx), text_model, trainable=cfg.train_text_encoder)
+    return GlideUpsampler(unet, te, build_glide_scheduler(cfg), build_noising_scheduler(cfg.num_train_timesteps), cfg.uncond_p, cfg,
+                          noise_aug_max=0, noise_level=0, low_res=cfg.low_res)
