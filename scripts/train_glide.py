@@ -22,10 +22,15 @@ def train_glide(tcfg:TrainConfig, cfg:GlideConfig, dcfg:DataConfig) -> GlideDiff
     from imagegen.training.loop import make_accelerator, train
     upsample = isinstance(cfg, UpsamplerConfig)
     acc = make_accelerator(tcfg)  # before the model: the ranks agree on the tiny tokenizer's corpus through it
-    dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution)   # the upsampler trains on high-resolution images
-    corpus = collect_captions(dl, seed=tcfg.seed) if cfg.tokenizer == 'tiny' and not cfg.pretrained_model_name_or_path else None
     prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) and not upsample else None  # --validation_prompts win (the loop sets them)
-    model = (GlideUpsampler if upsample else GlideDiffusion).from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
+    cls = GlideUpsampler if upsample else GlideDiffusion
+    if cfg.pretrained_model_name_or_path:   # a saved model brings its own resolution (OpenAI's base.pt: 64 px), which the data follows
+        model = cls.from_config(cfg, seed=tcfg.seed, sample_prompts=prompts)
+        dl = dcfg.make_dataloader(tcfg.batch_size, model.resolution)
+    else:
+        dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution)   # the upsampler trains on high-resolution images
+        corpus = collect_captions(dl, seed=tcfg.seed) if cfg.tokenizer == 'tiny' else None
+        model = cls.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
     if upsample:  # progress grids: the first training images, degraded to the input resolution, with their captions
         first = next(iter(dl))
         model.sample_images = model.degrade(first['pixel_values'][:tcfg.n_samples])

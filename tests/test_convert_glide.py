@@ -22,3 +22,14 @@ def test_convert_finetune_resume_and_back(tmp_path):
     orig, back = torch.load(FX/'base_tiny.pt', weights_only=True), torch.load(tmp_path/'ft.pt', weights_only=True)
     assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in orig.items()}
     assert not torch.equal(back['out.2.weight'], orig['out.2.weight'])   # fine-tuned: not the file it came from
+
+
+def test_converted_upsampler_finetunes_at_its_own_resolution(tmp_path):
+    "The data follow the converted model's resolution (OpenAI's upsampler: 256 px; the fixture's: 32), not the flags' default, and GLIDE's conditioning stays."
+    model = tmp_path/'up'
+    run([sys.executable, 'scripts/convert_glide.py', '--checkpoint', str(FX/'upsample_tiny.pt'), '--options', str(FX/'upsample_tiny_options.json'),
+         '--bpe_dir', str(FX), '--output_dir', str(model)])
+    run([sys.executable, 'scripts/train_glide.py', '--stage', 'upsample', '--pretrained_model_name_or_path', str(model), '--output_dir', str(tmp_path/'ft'),
+         '--dataset', 'shapes:n=4', '--train_batch_size', '2', '--max_train_steps', '1', '--report_to', 'none'])
+    meta = json.loads((tmp_path/'ft'/'model'/'imagegen_glide.json').read_text())
+    assert (meta['config']['resolution'], meta['config']['low_res'], meta['config']['glide_condition'], meta['noise_level']) == (32, 8, True, 0)
