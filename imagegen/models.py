@@ -51,9 +51,10 @@ def describe_folder(path:str|Path) -> str:
     if not p.exists(): return 'nothing is there (no such file or folder)'
     if p.is_file():
         if p.suffix == '.ckpt': return ("a single Lightning checkpoint file (taming-transformers' VQGAN comes this way), not a model folder: "
-                                        "convert it into a VQ model folder first")
+                                        "convert it with scripts/convert_vqgan.py --checkpoint FILE --config model.yaml --output_dir DIR")
         if p.suffix in ('.pt', '.pth', '.bin', '.safetensors'):
-            return f"a single weights file ({p.suffix}; OpenAI's GLIDE base.pt and upsample.pt come this way), not a model folder: convert it first"
+            return (f"a single weights file ({p.suffix}; OpenAI's GLIDE base.pt and upsample.pt come this way), not a model folder: "
+                    "convert it first (GLIDE: scripts/convert_glide.py --checkpoint FILE --output_dir DIR)")
         return 'a file, not a model folder'
     names = sorted(x.name for x in p.iterdir())
     if not names: return 'an empty folder'
