@@ -28,14 +28,14 @@ def check_vqvae(cfg:GPTConfig):
     "A local `--vqvae` that is a taming .ckpt or a Flax/JAX port (config.json naming no class, *.msgpack): one line on what to do."
     p = Path(cfg.vqvae or '')/(cfg.vqvae_subfolder or '')
     if not cfg.vqvae or not p.exists(): return    # a Hub id (or nothing): VQTokenizer.from_pretrained says what is wrong
-    flax = p.is_dir() and (any(p.glob('*.msgpack')) or ((p/'config.json').is_file() and '_class_name' not in json.loads((p/'config.json').read_text() or '{}')))
+    from imagegen.models import UnknownModelError, _read_json, describe_folder
+    flax = p.is_dir() and (any(p.glob('*.msgpack')) or ((p/'config.json').is_file() and '_class_name' not in _read_json(p/'config.json')))
     if p.is_file() and p.suffix == '.ckpt':
         hint = "convert it with scripts/convert_vqgan.py --checkpoint CKPT --config CONFIG --output_dir DIR, then pass --vqvae DIR"
     elif flax:
         hint = ("imagegen converts no Flax port (such as dalle-mini's VQGAN), but scripts/convert_vqgan.py converts the "
                 "taming-transformers checkpoint it was made from; or pass a folder written by train_vqvae.py")
     else: return                                   # VQTokenizer.from_pretrained names what else is wrong
-    from imagegen.models import UnknownModelError, describe_folder
     raise UnknownModelError(f"--vqvae {p} is {describe_folder(p)}. train_gpt.py reads a diffusers VQModel folder: {hint}.")
 
 def train_gpt(tcfg:TrainConfig, cfg:GPTConfig, dcfg:GPTDataConfig) -> TextToImageGPT:
