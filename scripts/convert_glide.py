@@ -20,15 +20,14 @@ def read_openai_checkpoint(path:str|Path) -> dict:
 
 def convert_glide(checkpoint:str|Path, output_dir:str|Path, options:str|Path|None=None, bpe_dir:str|Path|None=None) -> Path:
     "Write the `GlideDiffusion` (base) or `GlideUpsampler` folder of OpenAI GLIDE checkpoint `checkpoint` to `output_dir` (a new or empty folder)."
-    from imagegen.diffusion.glide import openai_glide_model
+    from imagegen.diffusion.glide import is_openai_upsampler, openai_glide_model
     from imagegen.diffusion.upsampler import openai_glide_upsampler
     out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty: choose a new --output_dir (nothing is overwritten).")
     opts = json.loads(Path(options).read_text()) if options else None
     sd = read_openai_checkpoint(checkpoint)
-    super_res = opts.get('super_res') if opts else sd.get('input_blocks.0.0.weight', torch.zeros(0, 3)).shape[1] == 6   # upsample.pt reads 6 channels
-    model = (openai_glide_upsampler if super_res else openai_glide_model)(sd, opts, bpe_dir=bpe_dir)
+    model = (openai_glide_upsampler if is_openai_upsampler(sd, opts) else openai_glide_model)(sd, opts, bpe_dir=bpe_dir)
     tmp = out.with_name(f".tmp-{out.name}")
     if tmp.exists(): shutil.rmtree(tmp)
     model.save_pretrained(tmp)

@@ -26,8 +26,8 @@ from ..training.loop import make_optimizer
 __all__ = ['GLIDE_FILE', 'GLIDE_OPTIONS', 'GLIDE_END_TOKEN', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'GlideUNet',
            'build_glide_unet', 'build_glide_text_model', 'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion',
            'predicted_noise', 'variational_bound_terms', 'glide_config_from_options', 'glide_key_table',
-           'convert_openai_glide', 'glide_config_of', 'to_openai_glide', 'openai_glide_call', 'glide_tokenizer',
-           'openai_glide_model']
+           'is_openai_upsampler', 'convert_openai_glide', 'glide_config_of', 'to_openai_glide', 'openai_glide_call',
+           'glide_tokenizer', 'openai_glide_model']
 
 # %% ../../nbs/04c_glide.ipynb #f61a26c5
 class GlideTextConfig(CLIPTextConfig):
@@ -506,11 +506,17 @@ def _glide_skeleton(cfg:GlideConfig, super_res:bool, vocab:int) -> tuple[UNet2DC
                                             hidden_act='gelu', pad_token_id=vocab - 1, eos_token_id=vocab - 1, bos_token_id=vocab - 1, appends_end_token=False))
     return unet, te
 
+def is_openai_upsampler(state_dict:dict, options:dict|None=None) -> bool:
+    "Whether OpenAI GLIDE weights are the upsampler's: `super_res` in their `options` when given, else a first convolution reading 6 channels (noisy + low-resolution image)."
+    if options is not None and 'super_res' in options: return bool(options['super_res'])
+    w = state_dict.get('input_blocks.0.0.weight')
+    return w is not None and w.shape[1] == 6
+
 def convert_openai_glide(state_dict:dict, options:dict|None=None) -> tuple[GlideConfig, UNet2DConditionModel, GlideTextModel]:
     "OpenAI GLIDE weights (`base.pt` / `upsample.pt` state dict, float16 or 32) and their `options` (None: the published ones) as our config, UNet and text model, float32."
-    super_res = 'input_blocks.0.0.weight' in state_dict and state_dict['input_blocks.0.0.weight'].shape[1] == 6
+    super_res = is_openai_upsampler(state_dict, options)
     if options is None: options = GLIDE_OPTIONS['upsample' if super_res else 'base']
-    cfg, super_res = glide_config_from_options(options), bool({**GLIDE_OPTIONS['base'], **options}.get('super_res'))
+    cfg = glide_config_from_options(options)
     sd = {k: v.float() for k, v in state_dict.items()}
     vocab = sd['token_embedding.weight'].shape[0] if 'token_embedding.weight' in sd else 50257
     unet, te = _glide_skeleton(cfg, super_res, vocab)
@@ -586,8 +592,7 @@ def glide_tokenizer(bpe_dir:str|Path|None=None, text_ctx:int=128):
 # %% ../../nbs/04c_glide.ipynb #759c8a03
 def openai_glide_model(state_dict:dict, options:dict|None=None, bpe_dir:str|Path|None=None) -> GlideDiffusion:
     "OpenAI's GLIDE base (`base.pt`'s state dict and options, None: the published ones) as a `GlideDiffusion` with GLIDE's tokenizer (BPE files from `bpe_dir`, None: GPT-2's) and schedule."
-    o = {**GLIDE_OPTIONS['base'], **(options or {})}
-    if o['super_res'] or ('input_blocks.0.0.weight' in state_dict and state_dict['input_blocks.0.0.weight'].shape[1] != 3):
+    if is_openai_upsampler(state_dict, options):
         raise ConfigError("this is GLIDE's upsampler (super_res): convert it with imagegen.diffusion.upsampler.openai_glide_upsampler "
                           "(scripts/convert_glide.py picks it by itself).")
     cfg, unet, text_model = convert_openai_glide(state_dict, options)
