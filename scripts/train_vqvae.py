@@ -12,11 +12,13 @@ DEFAULTS = dict(train=TrainConfig(output_dir='runs/vqvae', lr=1e-3, lr_scheduler
 FLAGS = TRAIN_FLAGS + DATA_FLAGS
 
 def train_vqvae(tcfg:TrainConfig, cfg:VQConfig, dcfg:DataConfig) -> VQVAETask:
-    "Train a VQModel with the shared loop; it goes to OUTPUT_DIR/model."
-    shape = {'resolution': cfg.resolution, 'downsample_factor': cfg.downsample_factor, 'codebook_size': cfg.codebook_size}
-    tcfg = tcfg.override(tags={k: str(v) for k, v in shape.items()} | tcfg.tags)   # tracker tags; the user's win
+    "Train a VQModel with the shared loop (from nothing, or fine-tuning `cfg.pretrained_model_name_or_path`); it goes to OUTPUT_DIR/model."
     task = VQVAETask.from_config(cfg, seed=tcfg.seed)
-    dl = dcfg.make_dataloader(tcfg.batch_size, cfg.resolution)
+    c = task.config                  # a pretrained model's own shape (a converted VQGAN: its resolution, codes and quantiser)
+    shape = {'resolution': c.resolution, 'downsample_factor': c.downsample_factor, 'codebook_size': c.codebook_size}
+    if task.source: shape['vqvae_source'] = f"pretrained_{task.source.get('source')}"
+    tcfg = tcfg.override(tags={k: str(v) for k, v in shape.items()} | tcfg.tags)   # tracker tags; the user's win
+    dl = dcfg.make_dataloader(tcfg.batch_size, c.resolution)
     train(task, dl, tcfg, sections={'data': dcfg})  # the model section is task.config
     return task
 

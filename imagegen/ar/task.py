@@ -253,13 +253,13 @@ def from_pretrained(cls:TextToImageGPT, path:str|Path, train_text_encoder:bool|N
 
 # %% ../../nbs/05b_t2i.ipynb #845e3055
 def vqvae_source(path:str|Path|None) -> str:
-    "'custom': a VQ model trained here (train_vqvae.py's run_info.json); 'pretrained_taming': converted by convert_vqgan.py (imagegen_vq.json); else 'pretrained'."
+    "'pretrained_taming': converted by convert_vqgan.py, fine-tuned here or not (imagegen_vq.json); 'custom': a VQ model trained here from nothing (train_vqvae.py's run_info.json); else 'pretrained'."
     if not path: return 'pretrained'
     p = Path(path)
-    if (p/'run_info.json').exists(): return 'custom'
     try: origin = json.loads((p/VQ_SOURCE_FILE).read_text()).get('source') if (p/VQ_SOURCE_FILE).is_file() else None
     except ValueError: origin = None
-    return f'pretrained_{origin}' if origin == 'taming' else 'pretrained'
+    if origin == 'taming': return 'pretrained_taming'
+    return 'custom' if (p/'run_info.json').exists() else 'pretrained'
 
 @patch
 def model_info(self:TextToImageGPT) -> dict:

@@ -20,10 +20,11 @@ from ..config import Config, ConfigError
 from ..grids import to_pil
 
 # %% auto #0
-__all__ = ['VQ_CONFIG_FILE', 'VQ_SOURCE_FILE', 'vq_model_config', 'world_size', 'is_main_rank', 'all_reduce_sum',
-           'broadcast_from_main', 'spherical_kmeans', 'EMAQuantizer', 'VQVAEForTraining', 'VQConfig', 'cut_paste',
-           'locality_loss', 'VQVAETask', 'VQTokenizer', 'read_taming_config', 'taming_vq_config', 'taming_key',
-           'convert_taming_state_dict', 'read_taming_checkpoint', 'convert_taming_vqgan']
+__all__ = ['VQ_CONFIG_FILE', 'VQ_SOURCE_FILE', 'VQ_TRAINING_FIELDS', 'vq_model_config', 'world_size', 'is_main_rank',
+           'all_reduce_sum', 'broadcast_from_main', 'spherical_kmeans', 'EMAQuantizer', 'VQVAEForTraining',
+           'VQModelForTraining', 'VQConfig', 'cut_paste', 'locality_loss', 'VQVAETask', 'vq_config_of', 'VQTokenizer',
+           'read_taming_config', 'taming_vq_config', 'taming_key', 'convert_taming_state_dict',
+           'read_taming_checkpoint', 'convert_taming_vqgan']
 
 # %% ../../nbs/03b_vq.ipynb #9a71b46f
 def vq_model_config(resolution:int=32, channel_mult:tuple[int, ...]=(1, 2, 4), base_channels:int=16, layers_per_block:int=1,
@@ -199,6 +200,33 @@ class VQVAEForTraining(nn.Module):
         rec = self.vqmodel.decode(z_q, force_not_quantize=True).sample
         return (rec, commit, idx, stats) if pasted is None else (rec, commit, idx, stats, (h, hp))
 
+# %% ../../nbs/03b_vq.ipynb #17bfa0e8
+class VQModelForTraining(nn.Module):
+    "`forward(images) -> (reconstruction, quantiser loss, indices, stats)` for a `VQModel` that keeps its own quantiser: nearest code by distance, codebook learned by gradient (taming's VQGAN)."
+    def __init__(self, vqmodel:VQModel, beta:float=0.25):
+        super().__init__()
+        self.vqmodel, self.beta = vqmodel, beta
+        vqmodel.quantize.embedding.weight.requires_grad_(True)
+
+    @property
+    def codebook(self) -> torch.Tensor: return self.vqmodel.quantize.embedding.weight
+
+    def forward(self, images:torch.Tensor, pasted:torch.Tensor|None=None):
+        if pasted is not None: raise ConfigError("the locality loss needs this project's EMA quantiser: fine-tune a pretrained VQ model with locality_weight 0.")
+        h = self.vqmodel.encode(images).latents                                 # (B, D, h, w)
+        B, D, H, W = h.shape
+        with torch.no_grad(): idx = self.vqmodel.quantize(h)[2][2].reshape(-1)   # diffusers' nearest code: what VQTokenizer.encode picks
+        z = h.permute(0, 2, 3, 1).reshape(-1, D)
+        e = self.codebook.index_select(0, idx)                                  # gradient reaches the codebook rows used
+        loss = F.mse_loss(z.float(), e.detach().float()) + self.beta * F.mse_loss(e.float(), z.detach().float())
+        z_q = (z + (e - z).detach()).view(B, H, W, D).permute(0, 3, 1, 2)       # straight-through
+        rec = self.vqmodel.decode(z_q, force_not_quantize=True).sample
+        counts = torch.bincount(idx, minlength=len(self.codebook)).float()
+        p = counts / counts.sum().clamp_min(1)
+        stats = {'usage': (counts > 0).float().mean(), 'perplexity': torch.exp(-(p * p.clamp_min(1e-12).log()).sum()),
+                 'restarted': torch.zeros((), device=h.device)}
+        return rec, loss, idx.view(B, H, W), stats
+
 # %% ../../nbs/03b_vq.ipynb #8a198838
 @dataclass
 class VQConfig(Config):
@@ -222,6 +250,8 @@ class VQConfig(Config):
     l2_weight:float = 1.0                    # weight of the L2 reconstruction loss
     locality_weight:float = 0.0              # weight of the locality loss: cells a cut-and-paste elsewhere leaves alone keep their latents (tokens an editor can copy)
     locality_margin:int = 0                  # cells around the pasted box that may change
+    pretrained_model_name_or_path:str|None = None  # a VQ model folder to fine-tune (train_vqvae.py's, or convert_vqgan.py's): its architecture and quantiser are kept
+    quantizer:str = 'ema'                    # 'ema': cosine codes, codebook by EMA (this project's); 'vqmodel': the VQModel's own (nearest by distance, codebook by gradient: taming's)
 
     presets:ClassVar[dict[str, dict]] = {
         'tiny': {},
@@ -249,6 +279,9 @@ class VQConfig(Config):
         for f in ('commitment_weight', 'dead_code_threshold', 'l1_weight', 'l2_weight', 'locality_weight'):
             if not getattr(self, f) >= 0: bad(f, "must be >= 0.")
         if self.dead_code_threshold >= 1: bad('dead_code_threshold', "must be below 1 (a fraction of a code's fair share of tokens), e.g. 0.1.")
+        if self.quantizer not in ('ema', 'vqmodel'): bad('quantizer', "choose 'ema' (this project's EMA codebook) or 'vqmodel' (the model's own, as taming trains it).")
+        if self.quantizer == 'vqmodel' and self.locality_weight > 0:
+            bad('locality_weight', "the locality loss needs the EMA quantiser (quantizer 'ema'); a VQ model trained with its own quantiser fine-tunes with locality_weight 0.")
 
 # %% ../../nbs/03b_vq.ipynb #bb0f4667
 def cut_paste(x:torch.Tensor, cell:int, margin:int=0, min_frac:float=0.25, max_frac:float=0.5,
@@ -283,20 +316,26 @@ def locality_loss(h:torch.Tensor, hp:torch.Tensor, keep:torch.Tensor, codebook:t
 
 # %% ../../nbs/03b_vq.ipynb #20bf9d74
 VQ_CONFIG_FILE = 'vq_config.json'
+VQ_SOURCE_FILE = 'imagegen_vq.json'   # a converted VQ model's origin: {"source": "taming", "converted_from": ...}
 
 class VQVAETask:
-    "Task for the shared training loop: L1 + L2 reconstruction + commitment (+ locality) for a `VQModel` whose codebook trains by EMA."
-    def __init__(self, vqmodel:VQModel, config:VQConfig|None=None, n_samples:int=8):
+    "Task for the shared training loop: L1 + L2 reconstruction + commitment (+ locality) for a `VQModel` whose codebook trains by EMA (or, `quantizer='vqmodel'`, by gradient as taming's)."
+    def __init__(self, vqmodel:VQModel, config:VQConfig|None=None, n_samples:int=8, source:dict|None=None):
         self.config = config = config or VQConfig()
-        q = EMAQuantizer(config.codebook_size, config.code_dim, config.commitment_weight, config.codebook_decay,
-                         init=config.codebook_init, kmeans_iters=config.kmeans_iters, restart=config.dead_code_restart,
-                         dead_code_threshold=config.dead_code_threshold, usage_window=config.usage_window)
-        self.vqmodel, self.trainable, self.n_samples, self._last = vqmodel, VQVAEForTraining(vqmodel, q), n_samples, None
+        if config.quantizer == 'vqmodel': trainable = VQModelForTraining(vqmodel, config.commitment_weight)
+        else:
+            q = EMAQuantizer(config.codebook_size, config.code_dim, config.commitment_weight, config.codebook_decay,
+                             init=config.codebook_init, kmeans_iters=config.kmeans_iters, restart=config.dead_code_restart,
+                             dead_code_threshold=config.dead_code_threshold, usage_window=config.usage_window)
+            trainable = VQVAEForTraining(vqmodel, q)
+        self.vqmodel, self.trainable, self.n_samples, self._last = vqmodel, trainable, n_samples, None
+        self.source = source   # a converted model's origin (VQ_SOURCE_FILE), kept by save_pretrained
 
     @classmethod
     def from_config(cls, cfg:VQConfig|str='tiny', seed:int=0, **kwargs) -> VQVAETask:
-        "A task around a fresh `VQModel` shaped by `cfg` (or a preset name)."
+        "A task around a fresh `VQModel` shaped by `cfg` (or a preset name), or around `cfg.pretrained_model_name_or_path` to fine-tune."
         cfg = VQConfig.preset(cfg) if isinstance(cfg, str) else cfg
+        if cfg.pretrained_model_name_or_path: return cls.from_pretrained(cfg.pretrained_model_name_or_path, run=cfg, **kwargs)
         torch.manual_seed(seed)
         vq = VQModel(**vq_model_config(cfg.resolution, cfg.channel_mult, cfg.base_channels, cfg.layers_per_block, cfg.latent_channels,
                                        cfg.codebook_size, cfg.code_dim, cfg.attention))
@@ -337,18 +376,42 @@ def sample(self:VQVAETask, n:int|None=None, step:int|None=None) -> tuple[list, l
 
 @patch
 def save_pretrained(self:VQVAETask, save_directory:str|Path):
-    "The `VQModel` in diffusers format, plus `vq_config.json` (this run's `VQConfig`)."
+    "The `VQModel` in diffusers format, plus `vq_config.json` (this run's `VQConfig`) and a converted model's origin (`VQ_SOURCE_FILE`)."
     d = Path(save_directory)
     self.vqmodel.save_pretrained(d)
     (d/VQ_CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=1))
+    if self.source: (d/VQ_SOURCE_FILE).write_text(json.dumps(self.source, indent=1))
+
+VQ_TRAINING_FIELDS = ('commitment_weight', 'codebook_decay', 'codebook_init', 'kmeans_iters', 'dead_code_restart', 'dead_code_threshold',
+                      'usage_window', 'l1_weight', 'l2_weight', 'locality_weight', 'locality_margin', 'pretrained_model_name_or_path')
+
+def vq_config_of(vq:VQModel, quantizer:str='vqmodel') -> VQConfig:
+    "The `VQConfig` describing a `VQModel` that no run of ours wrote (a converted VQGAN, a Hub model): its shape, trained with `quantizer`."
+    c, ch = vq.config, list(vq.config.block_out_channels)
+    return VQConfig(resolution=c.sample_size, channel_mult=tuple(x // ch[0] for x in ch), base_channels=ch[0], layers_per_block=c.layers_per_block,
+                    latent_channels=c.latent_channels, attention=bool(c.get('mid_block_add_attention', True)), codebook_size=c.num_vq_embeddings,
+                    code_dim=c.vq_embed_dim or c.latent_channels, quantizer=quantizer)
 
 @patch(cls_method=True)
-def from_pretrained(cls:VQVAETask, path:str|Path, **kwargs) -> VQVAETask:
-    "A task around the `VQModel` in `path` (written by `save_pretrained`), to continue training or export a checkpoint."
+def from_pretrained(cls:VQVAETask, path:str|Path, run:VQConfig|None=None, **kwargs) -> VQVAETask:
+    "A task around the `VQModel` in `path` (ours, or converted by `convert_vqgan.py`) to continue training or export; `run`: fine-tune it with that run's loss settings (its architecture and quantiser stay the folder's)."
     p = Path(path)
-    cfg = VQConfig.from_dict(json.loads((p/VQ_CONFIG_FILE).read_text()), source=str(p/VQ_CONFIG_FILE)) if (p/VQ_CONFIG_FILE).exists() else None
+    if not (p/'config.json').is_file():
+        ckpt = [p] if p.suffix == '.ckpt' else sorted(p.glob('*.ckpt')) if p.is_dir() else []
+        hint = (f"{ckpt[0].name} is a taming (Lightning) checkpoint: convert it first, scripts/convert_vqgan.py --checkpoint {ckpt[0]} --config "
+                "its model.yaml --output_dir DIR" if ckpt else "pass a folder written by train_vqvae.py or scripts/convert_vqgan.py")
+        raise FileNotFoundError(f"{p} holds no VQ model (no config.json): {hint}.")
     vq = VQModel.from_pretrained(str(p))
-    return cls(vq, cfg or VQConfig(codebook_size=vq.config.num_vq_embeddings, code_dim=vq.quantize.vq_embed_dim), **kwargs)
+    saved = VQConfig.from_dict(json.loads((p/VQ_CONFIG_FILE).read_text()), source=str(p/VQ_CONFIG_FILE)) if (p/VQ_CONFIG_FILE).exists() else vq_config_of(vq)
+    source = json.loads((p/VQ_SOURCE_FILE).read_text()) if (p/VQ_SOURCE_FILE).is_file() else None
+    if run is not None:
+        d = VQConfig()
+        clash = {f: getattr(run, f) for f in d.to_dict() if f not in VQ_TRAINING_FIELDS and getattr(run, f) not in (getattr(d, f), getattr(saved, f))}
+        if clash: raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in clash.items())}: {p} brings its own "
+                                    f"({', '.join(f'{k}={getattr(saved, k)!r}' for k in clash)}); leave these unset to fine-tune it.")
+        saved = saved.override({f: getattr(run, f) for f in VQ_TRAINING_FIELDS}, source=f"fine-tuning {p}")
+        if source: source = {**source, 'fine_tuned_from': str(p)}
+    return cls(vq, saved, source=source, **kwargs)
 
 # %% ../../nbs/03b_vq.ipynb #d394d20b
 @patch
@@ -563,8 +626,6 @@ def read_taming_checkpoint(path:str|Path) -> dict:
     return sd
 
 # %% ../../nbs/03b_vq.ipynb #e8996aed
-VQ_SOURCE_FILE = 'imagegen_vq.json'   # a converted VQ model's origin: {"source": "taming", "converted_from": ...}
-
 def convert_taming_vqgan(checkpoint:str|Path, config:str|Path|dict) -> tuple[VQModel, list[str]]:
     "The diffusers `VQModel` of a taming VQGAN `checkpoint` with its model `config` (file or params), and the `loss.*` keys left out."
     params = config if isinstance(config, dict) else read_taming_config(config)

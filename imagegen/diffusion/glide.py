@@ -168,13 +168,14 @@ def build_glide_unet(cfg:GlideConfig, text_width:int|None=None, in_channels:int=
     return unet_class(**{**kw, **overrides})
 
 def build_glide_text_model(cfg:GlideConfig, tokenizer) -> GlideTextModel:
-    "A randomly initialised GLIDE text transformer for `tokenizer` (its vocabulary and pad/end tokens)."
+    "A randomly initialised GLIDE text transformer for `tokenizer` (its vocabulary, pad/end tokens, and whether it appends the end token)."
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    ends = tokenizer('a')['input_ids'][-1:] == [eos]   # CLIP's appends it; GLIDE's and GPT-2's do not, so a trailing pad is padding
     return GlideTextModel(GlideTextConfig(vocab_size=len(tokenizer), hidden_size=cfg.text_width, intermediate_size=4 * cfg.text_width,
                                           num_hidden_layers=cfg.text_layers, num_attention_heads=cfg.text_heads,
                                           max_position_embeddings=cfg.text_ctx, hidden_act='gelu', pad_token_id=pad,
-                                          eos_token_id=eos, bos_token_id=tokenizer.bos_token_id))
+                                          eos_token_id=eos, bos_token_id=tokenizer.bos_token_id, appends_end_token=ends))
 
 def shifted_betas(alphas_cumprod:torch.Tensor, shift:float) -> list[float]:
     "Betas of the schedule whose SNR at every step is `alphas_cumprod`'s divided by `shift**2` (capped at 0.999 like the cosine's)."
