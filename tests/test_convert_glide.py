@@ -1,15 +1,17 @@
-"OpenAI's GLIDE through the command line: convert, fine-tune, resume the fine-tune, write it back in OpenAI's format."
+"OpenAI's GLIDE through the command line: convert base and upsampler, fine-tune each (the base resumed too), write the base back in OpenAI's format."
 import json, sys
 import torch
-from conftest import ROOT, run
+from conftest import ROOT, run, run_many
 
 FX = ROOT/'tests'/'fixtures'/'glide-openai-tiny'
 
 
 def test_convert_finetune_resume_and_back(tmp_path):
-    model = tmp_path/'converted'
-    run([sys.executable, 'scripts/convert_glide.py', '--checkpoint', str(FX/'base_tiny.pt'), '--options', str(FX/'base_tiny_options.json'),
-         '--bpe_dir', str(FX), '--output_dir', str(model)])
+    model, up = tmp_path/'converted', tmp_path/'up'
+    conv = run_many([('scripts/convert_glide.py', ['--checkpoint', FX/f'{n}_tiny.pt', '--options', FX/f'{n}_tiny_options.json', '--bpe_dir', FX,
+                                                    '--output_dir', out]) for n, out in (('base', model), ('upsample', up))])
+    assert [c['returncode'] for c in conv] == [0, 0], conv
+    assert 'a GLIDE base folder' in conv[0]['stdout'] and 'a GLIDE upsample folder' in conv[1]['stdout']
     ft = tmp_path/'ft'
     args = [sys.executable, 'scripts/train_glide.py', '--stage', 'base', '--pretrained_model_name_or_path', str(model), '--output_dir', str(ft),
             '--dataset', 'shapes:n=8', '--train_batch_size', '2', '--report_to', 'none', '--checkpointing_steps', '1', '--validation_steps', '100']
@@ -23,13 +25,9 @@ def test_convert_finetune_resume_and_back(tmp_path):
     assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in orig.items()}
     assert not torch.equal(back['out.2.weight'], orig['out.2.weight'])   # fine-tuned: not the file it came from
 
-
-def test_converted_upsampler_finetunes_at_its_own_resolution(tmp_path):
-    "The data follow the converted model's resolution (OpenAI's upsampler: 256 px; the fixture's: 32), not the flags' default, and GLIDE's conditioning stays."
-    model = tmp_path/'up'
-    run([sys.executable, 'scripts/convert_glide.py', '--checkpoint', str(FX/'upsample_tiny.pt'), '--options', str(FX/'upsample_tiny_options.json'),
-         '--bpe_dir', str(FX), '--output_dir', str(model)])
-    run([sys.executable, 'scripts/train_glide.py', '--stage', 'upsample', '--pretrained_model_name_or_path', str(model), '--output_dir', str(tmp_path/'ft'),
+    # the upsampler: the data follow the converted model's resolution (OpenAI's: 256 px; the fixture's: 32), not the flags'
+    # default, and GLIDE's conditioning stays
+    run([sys.executable, 'scripts/train_glide.py', '--stage', 'upsample', '--pretrained_model_name_or_path', str(up), '--output_dir', str(tmp_path/'upft'),
          '--dataset', 'shapes:n=4', '--train_batch_size', '2', '--max_train_steps', '1', '--report_to', 'none'])
-    meta = json.loads((tmp_path/'ft'/'model'/'imagegen_glide.json').read_text())
+    meta = json.loads((tmp_path/'upft'/'model'/'imagegen_glide.json').read_text())
     assert (meta['config']['resolution'], meta['config']['low_res'], meta['config']['glide_condition'], meta['noise_level']) == (32, 8, True, 0)

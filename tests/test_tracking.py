@@ -8,17 +8,22 @@ from conftest import run
 mlflow = pytest.importorskip('mlflow')
 
 
-def test_train_sample_evaluate_one_mlflow_run(tmp_path):
+def test_train_sample_evaluate_resume_one_mlflow_run(tmp_path):
+    """Training, sampling, evaluation and a resumed launch all land in one MLflow run. MLflow refuses to change a logged
+    parameter: the resume with other flags continues the run, and the new values stand as `changed_on_resume/` tags."""
     uri = f"sqlite:///{tmp_path/'mlruns.db'}"
     out = tmp_path/'ldm'
-    run([sys.executable, 'scripts/train_ldm.py', '--output_dir', str(out), '--dataset', 'shapes:n=16', '--max_train_steps', '2',
-         '--train_batch_size', '4', '--report_to', 'mlflow', '--tracking_uri', uri, '--experiment', 'shapes-ldm',
-         '--run_name', 'tiny-a', '--tags', 'phase=pretrain,resolution=32', '--block_out_channels', '32,32', '--text_hidden', '32'])
+    args = [sys.executable, 'scripts/train_ldm.py', '--output_dir', str(out), '--dataset', 'shapes:n=16', '--train_batch_size', '4',
+            '--report_to', 'mlflow', '--tracking_uri', uri, '--experiment', 'shapes-ldm', '--run_name', 'tiny-a',
+            '--tags', 'phase=pretrain,resolution=32', '--block_out_channels', '32,32', '--text_hidden', '32', '--checkpointing_steps', '2']
+    run(args + ['--max_train_steps', '2', '--learning_rate', '1e-4'])
     run([sys.executable, 'scripts/sample.py', '--model', str(out/'model'), '--shapes_split', 'test', '--n', '4', '--steps', '2',
          '--out', str(tmp_path/'samples')])
     p = run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'samples'), '--feature', 'random', '--vae', ''])
     run_id = json.loads((out/'tracker.json').read_text())['run_id']
     assert f"MLflow run {run_id}" in p.stdout, p.stdout
+    run(args + ['--max_train_steps', '3', '--learning_rate', '2e-4', '--validation_steps', '1000'])   # the same run, resumed with other flags
+    assert json.loads((out/'tracker.json').read_text())['run_id'] == run_id
     client = mlflow.tracking.MlflowClient(uri)
     exp = client.get_experiment_by_name('shapes-ldm')
     runs = client.search_runs([exp.experiment_id])
@@ -31,24 +36,7 @@ def test_train_sample_evaluate_one_mlflow_run(tmp_path):
     assert [m.step for m in hist] == [2] and 0 <= hist[0].value <= 1
     metrics = json.loads((tmp_path/'samples'/'metrics.json').read_text())
     assert hist[0].value == pytest.approx(metrics['oracle/color_and_shape'])
-
-
-def test_resumed_run_continues_its_mlflow_run_and_records_what_changed(tmp_path):
-    "MLflow refuses to change a logged parameter: a resume with other flags continues the run, and the new values stand as `changed_on_resume/` tags."
-    uri = f"sqlite:///{tmp_path/'mlruns.db'}"
-    out = tmp_path/'ldm'
-    args = [sys.executable, 'scripts/train_ldm.py', '--output_dir', str(out), '--dataset', 'shapes:n=16', '--train_batch_size', '4',
-            '--report_to', 'mlflow', '--tracking_uri', uri, '--experiment', 'resume', '--block_out_channels', '32,32', '--text_hidden', '32',
-            '--checkpointing_steps', '2', '--validation_steps', '1000']
-    run(args + ['--max_train_steps', '2', '--learning_rate', '1e-4'])
-    first = json.loads((out/'tracker.json').read_text())['run_id']
-    run(args + ['--max_train_steps', '3', '--learning_rate', '2e-4'])
-    assert json.loads((out/'tracker.json').read_text())['run_id'] == first
-    client = mlflow.tracking.MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name('resume').experiment_id])
-    assert [r.info.run_id for r in runs] == [first]
-    r = runs[0]
     assert r.data.params['config/train/lr'] == '0.0001' and r.data.params['config/train/max_steps'] == '2'   # the first launch's
     assert r.data.tags['changed_on_resume/config/train/lr'] == '0.0002' and r.data.tags['changed_on_resume/config/train/max_steps'] == '3'
     assert not any(k.startswith('changed_on_resume/config/model') for k in r.data.tags)     # unchanged values are not repeated
-    assert [m.step for m in client.get_metric_history(first, 'loss')] == [2, 3]                   # one curve across both launches
+    assert [m.step for m in client.get_metric_history(run_id, 'loss')] == [2, 3]                 # one curve across both launches
