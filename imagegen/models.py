@@ -145,7 +145,7 @@ MAIN_JOBS:dict[str, tuple[str, str]] = {   # job (a family, or GRPO over one) ->
                  '--pretrained_model_name_or_path runs/main/gpt/model --output_dir runs/main/grpo-gpt'),
     'hybrid': ('hybrid/model', 'python scripts/make_hybrid.py --ar runs/main/gpt/model --decoder runs/main/glide_upsampler/model '
                '--output_dir runs/main/hybrid/model'),
-    'grpo-hybrid': ('grpo-hybrid/model', 'accelerate launch scripts/train_grpo.py --config scripts/configs/grpo_hybrid_both_shapes.yaml '
+    'grpo-hybrid': ('grpo-hybrid/model', 'accelerate launch scripts/train_grpo.py --config scripts/configs/grpo_hybrid_ar_shapes.yaml '
                     '--pretrained_model_name_or_path runs/main/hybrid/model --output_dir runs/main/grpo-hybrid')}
 
 def main_job_model(family:str, main:str|Path|None=None, **kwargs):
