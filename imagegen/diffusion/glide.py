@@ -187,7 +187,8 @@ def build_glide_scheduler(cfg:GlideConfig, beta_schedule:str|None=None) -> DDPMS
     "The training schedule: DDPM over `cfg.beta_schedule` (cosine for GLIDE's base) shifted by `cfg.schedule_shift`, learned-range variance when learned."
     kw = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=beta_schedule or cfg.beta_schedule,
               variance_type='learned_range' if cfg.learn_sigma else 'fixed_small', clip_sample=True, prediction_type=cfg.prediction_type,
-              timestep_spacing='trailing')   # every sampler's: the DDPM sampler needs it (nbs/04a_sampling.ipynb), and one spacing for all keeps swaps consistent
+              timestep_spacing='trailing',   # every sampler's: the DDPM sampler needs it (nbs/04a_sampling.ipynb), and one spacing for all keeps swaps consistent
+              thresholding=True, sample_max_value=1.0)   # x0 clipped to [-1, 1] (GLIDE's clip_denoised) by every sampler that reads it: DDIM, DPM-Solver, UniPC
     s = DDPMScheduler(**kw)
     if cfg.schedule_shift == 1: return s
     return DDPMScheduler(**kw, trained_betas=shifted_betas(s.alphas_cumprod, cfg.schedule_shift))   # a plain beta list: every diffusers sampler and IFPipeline reads it
