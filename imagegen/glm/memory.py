@@ -65,7 +65,7 @@ def _activations(stage:str, model, lora:bool, checkpointing:bool, cfg:GlmBuildCo
     from peft import LoraConfig, get_peft_model
     m = model.model.language_model if stage == 'ar' else model
     m.train().requires_grad_(not lora)
-    if checkpointing: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) if stage == 'ar' else m.enable_gradient_checkpointing()
+    if checkpointing: m.activation_checkpointing_enable({'use_reentrant': False}) if stage == 'ar' else m.enable_gradient_checkpointing()
     if lora: m = get_peft_model(m, LoraConfig(r=32, lora_alpha=64, target_modules=AR_LORA_TARGETS if stage == 'ar' else DIT_LORA_TARGETS), autocast_adapter_dtype=False)
     meta = dict(device='meta')
     if stage == 'ar':
@@ -80,7 +80,7 @@ def _activations(stage:str, model, lora:bool, checkpointing:bool, cfg:GlmBuildCo
     try: return saved_for_backward(m, fn)
     finally:
         if lora: m.unload()
-        if checkpointing: (model.model.language_model.gradient_checkpointing_disable() if stage == 'ar' else model.disable_gradient_checkpointing())
+        if checkpointing: (model.model.language_model.activation_checkpointing_disable() if stage == 'ar' else model.disable_gradient_checkpointing())
 
 # %% ../../nbs/05h_glm_memory.ipynb #f54d3164
 def glm_memory_table(cfg:GlmBuildConfig|str='release', height:int=1024, width:int=1024, prompt_tokens:int=64, gpu_gib:float=80) -> list[dict]:
