@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 import yaml
 
 # %% auto #0
-__all__ = ['IGNORED_SECTIONS', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run', 'run_yaml', 'Flag',
-           'run_parser', 'parse_run', 'run_cli', 'run_script', 'model_record', 'sampling_settings']
+__all__ = ['IGNORED_SECTIONS', 'SECTION_ALIASES', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run',
+           'run_yaml', 'Flag', 'run_parser', 'parse_run', 'run_cli', 'run_script', 'model_record', 'sampling_settings']
 
 # %% ../nbs/00b_config.ipynb #61751582
 class UserError(Exception):
@@ -132,6 +132,7 @@ class Config:
 
 # %% ../nbs/00b_config.ipynb #67d1d4af
 IGNORED_SECTIONS = ('launcher',)
+SECTION_ALIASES = {'training': 'train'}   # the names other trainers' config files use (GLM-Image's and flow_grpo's 'training')
 
 def read_run_file(path:str|Path, sections) -> dict[str, dict]:
     "The sections of run file `path` (YAML or JSON): `{section: {field: value}}`; an unknown section is a `ConfigError`."
@@ -144,6 +145,7 @@ def read_run_file(path:str|Path, sections) -> dict[str, dict]:
     out = {}
     for name, fields_ in d.items():
         if name in IGNORED_SECTIONS: continue
+        name = SECTION_ALIASES.get(name, name) if SECTION_ALIASES.get(name) in sections else name
         if name not in sections:
             close = difflib.get_close_matches(str(name), list(sections), n=1)
             raise ConfigError(f"{path}: unknown section {name!r}" + (f" (did you mean {close[0]!r}?)" if close else '')

@@ -16,6 +16,7 @@ from .diffusion.ldm import LDM_FILE, LatentDiffusion
 from .diffusion.upsampler import GlideUpsampler
 from .edits import EditConfig
 from .hybrid import HYBRID_FILE, HybridPipeline
+from .glm.task import GLM_FILE, GlmImage
 
 # %% auto #0
 __all__ = ['MODEL_CLASSES', 'FAMILIES', 'PIPELINE_CLASSES', 'RECORD_FILES', 'PIPELINE_OF', 'EDITOR_CLASSES', 'MAIN_JOBS',
@@ -24,12 +25,13 @@ __all__ = ['MODEL_CLASSES', 'FAMILIES', 'PIPELINE_CLASSES', 'RECORD_FILES', 'PIP
 
 # %% ../nbs/05e_models.ipynb #10541df8
 MODEL_CLASSES:dict[str, type] = {c.__name__: c for c in (LatentDiffusion, LatentEditor, GlideDiffusion, GlideUpsampler, TextToImageGPT,
-                                                         GPTEditor, HybridPipeline)}
+                                                         GPTEditor, HybridPipeline, GlmImage)}
 FAMILIES:dict[str, str] = {'LatentDiffusion': 'ldm', 'LatentEditor': 'ldm-edit', 'GlideDiffusion': 'glide', 'GlideUpsampler': 'glide-upsampler',
-                           'TextToImageGPT': 'gpt', 'GPTEditor': 'gpt-edit', 'HybridPipeline': 'hybrid'}
+                           'TextToImageGPT': 'gpt', 'GPTEditor': 'gpt-edit', 'HybridPipeline': 'hybrid',
+                           'GlmImage': 'glm'}
 PIPELINE_CLASSES:dict[str, str] = {'StableDiffusionPipeline': 'LatentDiffusion', 'StableDiffusionInstructPix2PixPipeline': 'LatentEditor',
-                                   'IFPipeline': 'GlideDiffusion', 'IFSuperResolutionPipeline': 'GlideUpsampler'}
-RECORD_FILES = (HYBRID_FILE, GPT_FILE, GLIDE_FILE, LDM_FILE)   # each family's record of a saved folder
+                                   'IFPipeline': 'GlideDiffusion', 'IFSuperResolutionPipeline': 'GlideUpsampler', 'GlmImagePipeline': 'GlmImage'}
+RECORD_FILES = (HYBRID_FILE, GPT_FILE, GLIDE_FILE, LDM_FILE, GLM_FILE)   # each family's record of a saved folder
 
 def family_of(model) -> str:
     "The family name of a loaded model (`FAMILIES`), e.g. 'ldm' or 'gpt-edit'."
@@ -116,6 +118,7 @@ def pipeline_kwargs(model) -> dict:
     if name == 'LatentEditor': kw['image_guidance_scale'] = s['image_guidance_scale']
     if name.startswith('Glide'): kw['clean_caption'] = False      # IF cleans captions (bs4, ftfy); GLIDE's tokenizer reads them as given
     if name == 'GlideUpsampler': kw['noise_level'] = model.noise_level
+    if name == 'GlmImage': kw.update(height=model.config.resolution, width=model.config.resolution)   # the pipeline has no default size
     return kw
 
 # %% ../nbs/05e_models.ipynb #929afbeb

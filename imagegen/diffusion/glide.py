@@ -24,10 +24,10 @@ from ..training.loop import make_optimizer
 
 # %% auto #0
 __all__ = ['GLIDE_FILE', 'GLIDE_OPTIONS', 'GLIDE_END_TOKEN', 'GlideTextConfig', 'GlideTextModel', 'GlideConfig', 'GlideUNet',
-           'build_glide_unet', 'build_glide_text_model', 'shifted_betas', 'build_glide_scheduler', 'GlideDiffusion',
-           'predicted_noise', 'variational_bound_terms', 'glide_config_from_options', 'glide_key_table',
-           'is_openai_upsampler', 'convert_openai_glide', 'glide_config_of', 'to_openai_glide', 'openai_glide_call',
-           'glide_tokenizer', 'openai_glide_model']
+           'build_glide_unet', 'build_glide_text_model', 'shifted_betas', 'clip_bound', 'build_glide_scheduler',
+           'GlideDiffusion', 'predicted_noise', 'variational_bound_terms', 'glide_config_from_options',
+           'glide_key_table', 'is_openai_upsampler', 'convert_openai_glide', 'glide_config_of', 'to_openai_glide',
+           'openai_glide_call', 'glide_tokenizer', 'openai_glide_model']
 
 # %% ../../nbs/04c_glide.ipynb #f61a26c5
 class GlideTextConfig(CLIPTextConfig):
@@ -182,6 +182,10 @@ def shifted_betas(alphas_cumprod:torch.Tensor, shift:float) -> list[float]:
     a = alphas_cumprod.double()
     a = a / (a + shift ** 2 * (1 - a))
     return (1 - a / torch.cat([a.new_ones(1), a[:-1]])).clamp(max=0.999).tolist()
+
+def clip_bound(scheduler) -> float|None:
+    "The bound a schedule clips x0 to (`sample_max_value` where it thresholds), for `sample_latents(clip_x0=)`: every sampler then clips, not only those that can threshold."
+    return scheduler.config.sample_max_value if scheduler.config.get('thresholding') else None
 
 def build_glide_scheduler(cfg:GlideConfig, beta_schedule:str|None=None) -> DDPMScheduler:
     "The training schedule: DDPM over `cfg.beta_schedule` (cosine for GLIDE's base) shifted by `cfg.schedule_shift`, learned-range variance when learned."
@@ -346,7 +350,7 @@ def generate(self:GlideDiffusion, prompts:list[str]|None=None, *, guidance_scale
     try:
         with torch.no_grad(): cond, uncond = self.text_encoder.encode(prompts), self.text_encoder.empty_embedding(len(prompts))
         x = sample_latents(self.unet, make_scheduler(sampler, self.scheduler), cond, uncond, guidance_scale=guidance_scale,
-                           steps=num_inference_steps, latents=x.to(dev), generator=generator, progress=False)
+                           steps=num_inference_steps, latents=x.to(dev), generator=generator, progress=False, clip_x0=clip_bound(self.scheduler))
     finally:
         for m, w in zip(modules, was): m.train(w)
     return x.clamp(-1, 1)

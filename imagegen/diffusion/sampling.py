@@ -19,9 +19,10 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from ..text import tiny_clip_tokenizer
 
 # %% auto #0
-__all__ = ['SAMPLERS', 'SCHEDULE_KEYS', 'tiny_sd_components', 'make_scheduler', 'unpin_defaults', 'clip_encoder', 'as_encoder',
-           'make_generators', 'draw_noise', 'draw_timesteps', 'guidance_streams', 'mix_guidance', 'sample_latents',
-           'sample', 'to_pipeline', 'sample_distributed']
+__all__ = ['SAMPLERS', 'SCHEDULE_KEYS', 'SIGMA_SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'unpin_defaults',
+           'clip_encoder', 'as_encoder', 'make_generators', 'draw_noise', 'draw_timesteps', 'guidance_streams',
+           'mix_guidance', 'thresholds', 'clip_prediction', 'sample_latents', 'sample', 'to_pipeline',
+           'sample_distributed']
 
 # %% ../../nbs/04a_sampling.ipynb #6831c727
 def tiny_sd_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:
@@ -136,12 +137,32 @@ def mix_guidance(pred:torch.Tensor, guidance_scale:float, image_guidance_scale:f
     return u + guidance_scale * (c - u)
 
 # %% ../../nbs/04a_sampling.ipynb #fc1f7629
+SIGMA_SAMPLERS = (EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, HeunDiscreteScheduler)   # x = x0 + sigma eps, input scaled by 1 / sqrt(sigma^2 + 1)
+
+def thresholds(scheduler) -> bool:
+    "Whether `scheduler` clips x0 itself: its class takes `thresholding` and it is on (a config can carry the key for a class that ignores it)."
+    return 'thresholding' in inspect.signature(type(scheduler).__init__).parameters and bool(scheduler.config.get('thresholding'))
+
+def clip_prediction(scheduler, pred:torch.Tensor, sample:torch.Tensor, t, bound:float=1.0) -> torch.Tensor:
+    "The epsilon (or v) prediction whose x0 is `pred`'s clipped to `[-bound, bound]`, for the noise level of `sample` at step `t` (after `scale_model_input`)."
+    kind = scheduler.config.prediction_type
+    if kind not in ('epsilon', 'v_prediction'): raise ValueError(f"clip_x0 reads epsilon or v predictions; this scheduler predicts {kind!r}.")
+    if isinstance(scheduler, SIGMA_SAMPLERS):          # the sample's own sigma: Heun's second stage sits at the next one
+        s = scheduler.sigmas[scheduler.step_index].double()
+        a, x = 1 / (1 + s ** 2), sample.double() / (1 + s ** 2).sqrt()     # the same point on the variance-preserving path
+    else: a, x = scheduler.alphas_cumprod.to(sample.device)[int(t)].double(), sample.double()
+    ra, rb = a.sqrt(), (1 - a).sqrt()
+    p = pred.double()
+    x0 = (x - rb * p) / ra if kind == 'epsilon' else ra * x - rb * p
+    x0 = x0.clamp(-bound, bound)
+    return ((x - ra * x0) / rb if kind == 'epsilon' else (ra * x - x0) / rb).to(pred.dtype)
+
 @torch.no_grad()
 def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=None, *, guidance_scale:float=7.5,
                    steps:int=50, shape:tuple|None=None, generator=None, latents:torch.Tensor|None=None, eta:float=0.0,
                    progress:bool=True, callback:Callable|None=None, desc:str='sampling', concat:torch.Tensor|None=None,
-                   class_labels:torch.Tensor|None=None, image_guidance_scale:float|None=None) -> torch.Tensor:
-    "Denoise one batch from noise under text embeddings `cond` (and `uncond` for guidance); returns final latents."
+                   class_labels:torch.Tensor|None=None, image_guidance_scale:float|None=None, clip_x0:float|None=None) -> torch.Tensor:
+    "Denoise one batch from noise under text embeddings `cond` (and `uncond` for guidance); returns final latents. `clip_x0`: clip the predicted x0 to `[-clip_x0, clip_x0]` at every step, in every sampler."
     dev, dtype = unet.device, unet.dtype
     three = image_guidance_scale is not None                    # InstructPix2Pix: (text + image, image, neither) streams
     cfg = three or guidance_scale != 1.0
@@ -169,6 +190,7 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
         if cfg:
             eps = mix_guidance(eps, guidance_scale, image_guidance_scale)
             if var is not None: var = var.chunk(3)[0] if three else var.chunk(2)[1]   # the conditional stream's variance
+        if clip_x0 is not None and not thresholds(scheduler): eps = clip_prediction(scheduler, eps, latents, t, clip_x0)
         if var is not None and learned: eps = torch.cat([eps, var], dim=1)
         latents = scheduler.step(eps, t, latents, **kw, return_dict=False)[0]
         if callback is not None: callback(i + 1, len(ts), latents)

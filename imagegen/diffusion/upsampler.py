@@ -15,7 +15,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from fastcore.basics import patch
 from ..config import ConfigError, model_record, sampling_settings
 from .glide import (GLIDE_FILE, GLIDE_OPTIONS, GlideConfig, GlideDiffusion, GlideUNet, _glide_tokenizer, _load_glide_parts,
-                                      build_glide_scheduler, build_glide_text_model, build_glide_unet, convert_openai_glide, glide_tokenizer)
+                                      build_glide_scheduler, build_glide_text_model, clip_bound, build_glide_unet, convert_openai_glide, glide_tokenizer)
 from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents, unpin_defaults
 from ..text import TextEncoder
 
@@ -310,7 +310,7 @@ def generate(self:GlideUpsampler, prompts:list[str]|None=None, low_res_images:to
         with torch.no_grad(): c, u = self.text_encoder.encode(prompts), self.text_encoder.empty_embedding(len(prompts))
         x = sample_latents(self.unet, make_scheduler(sampler, self.scheduler), c, u, guidance_scale=guidance_scale, steps=num_inference_steps,
                            latents=x.to(dev), generator=generator, progress=False, concat=cond.to(dev),
-                           class_labels=None if self.glide_condition else levels.to(dev))
+                           class_labels=None if self.glide_condition else levels.to(dev), clip_x0=clip_bound(self.scheduler))
     finally:
         for m, w in zip(modules, was): m.train(w)
     return x.clamp(-1, 1)

@@ -12,8 +12,9 @@ from ..config import UserError
 # %% auto #0
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
            'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
-           'check_checkpoint', 'usable_checkpoint', 'ema_tensors', 'RunLocked', 'holder_gone', 'acquire_run_lock',
-           'release_run_lock', 'Preempted', 'find_checkpoint', 'load_trained_weights']
+           'check_checkpoint', 'usable_checkpoint', 'ema_tensors', 'ema_parameters', 'ema_targets', 'RunLocked',
+           'holder_gone', 'acquire_run_lock', 'release_run_lock', 'Preempted', 'find_checkpoint',
+           'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -149,6 +150,21 @@ def ema_tensors(ckpt:str|Path) -> list|None:
     d = load_file(str(f))
     return [d[k] for k in sorted(d, key=int)]
 
+def ema_parameters(module) -> list:
+    "The parameters an EMA of `module` averages: the trained ones (`requires_grad`), so a LoRA run or a task with frozen parts keeps no copy of its frozen weights."
+    return [p for p in module.parameters() if p.requires_grad]
+
+def ema_targets(module, shadow:list, ckpt='') -> list[tuple[str, object]]:
+    "The `(name, parameter)` pairs of `module` that EMA weights `shadow` belong to, in order; also reads EMAs written when every parameter was averaged."
+    named = list(module.named_parameters())
+    trained = [(n, p) for n, p in named if p.requires_grad]
+    pairs = trained if len(shadow) == len(trained) else named if len(shadow) == len(named) else None
+    if pairs is None: raise ValueError(f"{ckpt}: the EMA has {len(shadow)} tensors but {type(module).__name__} trains {len(trained)} "
+                                       f"parameters (of {len(named)}): a checkpoint of another model.")
+    for i, ((name, p), s) in enumerate(zip(pairs, shadow)):
+        if p.shape != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
+    return pairs
+
 # %% ../../nbs/02a_checkpoints.ipynb #de138e5f
 LOCK_FILE = '.lock'
 
@@ -243,13 +259,8 @@ def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
     if ema:
         shadow = ema_tensors(ckpt)
         if shadow is None: raise ValueError(f"{ckpt} holds no EMA weights (the run trained without --use_ema): export the raw weights instead.")
-        params = list(module.parameters())
-        if len(shadow) != len(params):
-            raise ValueError(f"{ckpt}: the EMA has {len(shadow)} tensors but {type(module).__name__} has {len(params)} parameters: a checkpoint of another model.")
-        for i, ((name, p), s) in enumerate(zip(module.named_parameters(), shadow)):
-            if p.shape != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
         with torch.no_grad():
-            for p, s in zip(params, shadow): p.copy_(s.to(p.dtype))
+            for (_, p), s in zip(ema_targets(module, shadow, ckpt), shadow): p.copy_(s.to(p.dtype))
         return module
     f = ckpt/'model.safetensors'
     if not f.exists(): raise FileNotFoundError(f"{f} not found: {ckpt} is not a checkpoint written by the training loop.")

@@ -22,7 +22,7 @@ from ..config import Config, ConfigError, Flag, UserError, run_yaml
 from ..diagnostics import destroy_process_group_at_exit
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
-                                          CheckpointError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, ema_tensors,
+                                          CheckpointError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, ema_parameters, ema_targets, ema_tensors,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
                                           write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
@@ -270,7 +270,7 @@ def _setup(self:Trainer, dataloader):
     # neither is registered with accelerate (which would pickle them): their state goes to trainer_state.json / ema.safetensors
     self.sched = get_scheduler(cfg.lr_scheduler, self.opt.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.max_steps)
     if cfg.ema:
-        self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
+        self.ema = EMAModel(ema_parameters(acc.unwrap_model(self.model)), decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
                             use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power, foreach=cfg.foreach_ema)
         self.ema.to(acc.device)
     if hasattr(self.task, 'setup'): self.task.setup(acc, self.model)
@@ -345,7 +345,11 @@ def _resume(self:Trainer) -> Path|None:
     if self.ema:
         shadow = ema_tensors(ckpt)
         if shadow is None: warnings.warn(f"{ckpt} has no EMA (the run trained without it): the EMA starts from the current weights.")
-        else: self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow}); self.ema.to(self.acc.device)
+        else:   # an EMA written when every parameter was averaged: the trained ones' entries
+            model = self.acc.unwrap_model(self.model)
+            keep = {id(p) for p in ema_parameters(model)}
+            shadow = [s for (_, p), s in zip(ema_targets(model, shadow, ckpt), shadow) if id(p) in keep]
+            self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow}); self.ema.to(self.acc.device)
     self.step, self.epoch, self.bad_total, self.bad_samples = st['step'], st['epoch'], st['bad_steps_total'], st.get('bad_samples', 0)
     self.epoch_sums, self.epoch_metrics = st['epoch_sums'], st['epoch_metrics']
     self.run_name = self.cfg.run_name or st['run_name']
@@ -476,13 +480,13 @@ def _sample(self:Trainer):
     if not hasattr(self.task, 'sample') or not self.acc.is_main_process: return None
     model = self.acc.unwrap_model(self.model)
     was_training = model.training
-    if self.ema: self.ema.store(model.parameters()); self.ema.copy_to(model.parameters())
+    if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
     try:
         model.eval()
         n = len(self.cfg.validation_prompts) if self.cfg.validation_prompts else self.cfg.n_samples
         with torch.no_grad(): out = self.task.sample(n, self.step)
     finally:
-        if self.ema: self.ema.restore(model.parameters())
+        if self.ema: self.ema.restore(ema_parameters(model))
         model.train(was_training)
     images, captions = out if isinstance(out, tuple) else (out, None)
     if not images: return None
@@ -518,7 +522,7 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     if vals[-4] > 0: self._skip_bad(logs)
     else:
         self.opt.step()
-        if self.ema: self.ema.step(acc.unwrap_model(self.model).parameters())
+        if self.ema: self.ema.step(ema_parameters(acc.unwrap_model(self.model)))
         self.bad_run = 0
     self.opt.zero_grad(set_to_none=True)
     self.sched.step()
@@ -649,7 +653,7 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
     self.acc.wait_for_everyone()
     if self.acc.is_main_process:
         model = self.acc.unwrap_model(self.model)
-        if self.ema: self.ema.store(model.parameters()); self.ema.copy_to(model.parameters())
+        if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
         try:
             path.mkdir(parents=True, exist_ok=True)
             if hasattr(self.task, 'save_pretrained'): self.task.save_pretrained(path)
@@ -658,7 +662,7 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
                 from safetensors.torch import save_file
                 save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path/'model.safetensors'))
         finally:
-            if self.ema: self.ema.restore(model.parameters())
+            if self.ema: self.ema.restore(ema_parameters(model))
         if getattr(self, 'info', None): write_atomic(path/'run_info.json', json.dumps(self.info | {'step': self.step}, indent=1))  # what made these weights
     self.acc.wait_for_everyone()
     return path
@@ -674,12 +678,12 @@ def _evaluate(self:Trainer, bar=None) -> dict:
     if acc.is_main_process:
         model = self.acc.unwrap_model(self.model)
         was_training = model.training
-        if self.ema: self.ema.store(model.parameters()); self.ema.copy_to(model.parameters())
+        if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
         try:
             model.eval()
             with torch.no_grad(): scores = {str(k): float(v) for k, v in self.task.evaluate(self.step).items()}
         finally:
-            if self.ema: self.ema.restore(model.parameters())
+            if self.ema: self.ema.restore(ema_parameters(model))
             model.train(was_training)
     if acc.num_processes > 1: scores = broadcast_object_list([scores])[0]
     if cfg.tracker != 'none': acc.log({f'eval/{k}': v for k, v in scores.items()}, step=self.step)
