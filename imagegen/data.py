@@ -540,15 +540,24 @@ def make_dataset(source, resolution:int=32, split:str='train', *, crop:str='cent
 # %% ../nbs/01a_data.ipynb #848fd063
 class CaptionCollator:
     "Batch samples into `{'pixel_values', 'caption', 'scene', 'key'}` with caption choice and CFG caption dropout."
-    def __init__(self, caption_dropout:float=0., caption_choice:str='random'):
+    def __init__(self, caption_dropout:float=0., caption_choice:str='random', seed:int=0):
         if not 0 <= caption_dropout <= 1: raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}.")
         if caption_choice not in ('random', 'first'): raise ValueError(f"caption_choice must be 'random' or 'first', got {caption_choice!r}.")
-        self.caption_dropout, self.caption_choice = caption_dropout, caption_choice
+        self.caption_dropout, self.caption_choice, self.seed, self.epoch = caption_dropout, caption_choice, seed, 0
+    def set_epoch(self, epoch:int, seed:int|None=None):
+        "Draw this epoch's choices (the training loop calls it at each epoch, with the run's seed)."
+        self.epoch, self.seed = int(epoch), self.seed if seed is None else int(seed)
+    def generator(self, samples:list[dict]) -> torch.Generator|None:
+        "The batch's own random stream, from the run's seed, the epoch and the samples' keys: a resumed run draws what the uninterrupted one drew, whatever ran before. None (the global stream) for samples without keys."
+        keys = [s.get('key') for s in samples]
+        if any(k is None for k in keys): return None
+        mix = np.random.SeedSequence([self.seed, self.epoch, zlib.crc32('|'.join(map(str, keys)).encode())]).generate_state(1)[0]
+        return torch.Generator().manual_seed(int(mix))
     def __call__(self, samples:list[dict]) -> dict:
-        caps = []
+        caps, g = [], self.generator(samples)
         for s in samples:
-            c = s['captions'][int(torch.randint(len(s['captions']), ())) if self.caption_choice == 'random' else 0]
-            caps.append('' if self.caption_dropout and float(torch.rand(())) < self.caption_dropout else c)
+            c = s['captions'][int(torch.randint(len(s['captions']), (), generator=g)) if self.caption_choice == 'random' else 0]
+            caps.append('' if self.caption_dropout and float(torch.rand((), generator=g)) < self.caption_dropout else c)
         tensors = {k: torch.stack([s[k] for s in samples]) for k, v in samples[0].items() if isinstance(v, torch.Tensor)}
         out = {**tensors, 'caption': caps, 'scene': [s.get('scene') for s in samples], 'key': [s.get('key') for s in samples]}
         if 'edit' in samples[0]: out['edit'] = [s.get('edit') for s in samples]     # edit triples (imagegen.edits)

@@ -79,6 +79,14 @@ def family_images(acc:Accelerator, family:str, m, ps:list[str], seeds:list[int],
                                     autoencoder=getattr(m, 'autoencoder', None), guidance_scale=guidance, steps=steps, eta=eta,
                                     batch_size=batch_size, progress=acc.is_main_process)
         return images, dict(family=family, sampler=sampler, steps=steps, guidance=guidance)
+    if family == 'glm':     # GlmImagePipeline itself: the generator samples with its generation config, the DiT with flow-matching Euler
+        bad = [f for f, v in (('--sampler', sampler), ('--negative_prompt', negative_prompt), ('--eta', eta), ('--temperature', temperature),
+                              ('--top_k', top_k), ('--top_p', top_p)) if v]
+        if bad: raise ConfigError(f"{', '.join(bad)}: a GLM-Image model samples as GlmImagePipeline does (its generator's generation_config.json, "
+                                  "the DiT's scheduler); it takes --steps and --guidance.")
+        kw = sampling_settings(m.sampling, guidance_scale=guidance, num_inference_steps=steps)
+        images = images_distributed(acc, m.generate, ps, seeds, batch_size, progress=acc.is_main_process, **kw)
+        return images, dict(family=family, steps=kw['num_inference_steps'], guidance=kw['guidance_scale'])
     if negative_prompt: raise ConfigError("--negative_prompt: a latent GPT's unconditional stream is its learned null text; it takes no negative prompt.")
     kw = sampling_settings(m.sampling, guidance_scale=guidance, temperature=temperature, top_k=top_k, top_p=top_p)
     images = images_distributed(acc, m.generate, ps, seeds, batch_size, progress=acc.is_main_process, **kw)
@@ -181,12 +189,15 @@ def main(model:str='runs/main/ldm/model', # trained model folder (the `model/` o
     destroy_process_group_at_exit()
     family, m = load_model(model)
     m = m.to(acc.device)
+    if family == 'glm' and m.i2i: family = 'glm-edit'       # a GLM-Image trained image to image samples as an editor
     if (source_image or shapes_edit_split) and not family.endswith('edit'):
         raise ConfigError(f"--source_image and --shapes_edit_split go with an editor (the model/ of a train_edit.py run); {model} is a {family} text-to-image model.")
     if family.endswith('edit'):
         if candidates > 1 or upsampler or shapes_split or shapes_text_split:
             raise ConfigError(f"{model} is an editor: it takes --source_image with --prompts, or --shapes_edit_split (not --shapes_split, --candidates or --upsampler).")
-        if family == 'ldm-edit':
+        if family == 'glm-edit':
+            kw = sampling_settings(m.sampling, guidance_scale=guidance, num_inference_steps=steps)
+        elif family == 'ldm-edit':
             kw = sampling_settings(m.sampling, guidance_scale=guidance, image_guidance_scale=image_guidance, sampler=sampler, num_inference_steps=steps)
             if kw['sampler'] not in SAMPLERS: raise ConfigError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}.")
         else:

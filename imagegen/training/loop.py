@@ -559,6 +559,8 @@ def _run_epoch(self:Trainer, bar):
     seed_all(derived_seed(cfg.seed, self.epoch, 2**31 - 1))
     epochs = self.dl if hasattr(self.dl, 'set_epoch') else getattr(self.dl, 'dataset', None)  # a self-sharded stream's dataset
     if hasattr(epochs, 'set_epoch'): epochs.set_epoch(self.epoch)
+    coll = getattr(self.dl, 'collate_fn', None)
+    if hasattr(coll, 'set_epoch'): coll.set_epoch(self.epoch, cfg.seed)   # the batches' own draws (caption choice, dropout): exact on resume
     if not self.batch_in_epoch: it = self.dl
     elif isinstance(self.dl, torch.utils.data.DataLoader): it = acc.skip_first_batches(self.dl, self.batch_in_epoch)
     else: it = itertools.islice(self.dl, self.batch_in_epoch, None)   # a task's own stream

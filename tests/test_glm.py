@@ -1,0 +1,86 @@
+"""GLM-Image through its real scripts: train_glm_image.py on 2 gloo CPU ranks (both stages, LoRA on the DiT, EMA: replicas
+identical), exact resume in one process, the saved folder in diffusers' GlmImagePipeline, sample.py on 2 ranks in prompt
+order, evaluate.py, image to image through sample.py --shapes_edit_split, and the errors a user meets."""
+import json, sys
+from pathlib import Path
+import pytest, torch
+from conftest import run, launch, rank_records, run_many
+
+TINY = ['--dataset_name', 'shapes:n=16', '--batch_size', 2, '--report_to', 'none', '--learning_rate', '1e-3']
+
+
+@pytest.fixture(scope='module')
+def glm2(tmp_path_factory):
+    "scripts/train_glm_image.py on 2 ranks, 4 steps, both stages (the generator in full, the DiT with LoRA), with EMA."
+    d = tmp_path_factory.mktemp('glm2')
+    launch('scripts/train_glm_image.py', '--output_dir', d/'run', *TINY, '--max_steps', 4, '--checkpoint_every', 2, '--train', 'both',
+           '--dit_lora_rank', 4, '--use_ema', probe=d/'probe')
+    return d, rank_records(d/'probe', 2)
+
+
+def test_two_ranks_stay_identical(glm2):
+    d, (r0, r1) = glm2
+    assert (r0['world_size'], r1['world_size'], r0['end_step']) == (2, 2, 4)
+    assert not torch.equal(r0['params_start'], r0['params']), "training did not change the model"
+    torch.testing.assert_close(r0['params'], r1['params'], rtol=0, atol=0)
+    torch.testing.assert_close(r0['ema'], r1['ema'], rtol=0, atol=0)
+    assert len(r0['ema']) < len(r0['params'])       # the EMA holds the trained weights only, not the DiT's frozen base under LoRA
+    info = json.loads((d/'run'/'model'/'run_info.json').read_text())
+    assert (info['config']['model']['train'], info['config']['model']['dit_lora_rank'], info['config']['train']['ema']) == ('both', 4, True)
+
+
+def test_resume_is_exact(tmp_path):
+    "4 steps at once, or 2 steps and a resume to 4 (a constant learning rate: the schedule does not depend on --max_steps): the same weights, bit for bit."
+    args = [*TINY, '--train', 'both', '--checkpoint_every', 2, '--lr_scheduler', 'constant', '--warmup_steps', 0]
+    launch('scripts/train_glm_image.py', '--output_dir', tmp_path/'once', *args, '--max_steps', 4, num_processes=1, probe=tmp_path/'p_once')
+    launch('scripts/train_glm_image.py', '--output_dir', tmp_path/'twice', *args, '--max_steps', 2, num_processes=1, probe=tmp_path/'p_a')
+    launch('scripts/train_glm_image.py', '--output_dir', tmp_path/'twice', *args, '--max_steps', 4, '--resume_from_checkpoint', 'latest',
+           num_processes=1, probe=tmp_path/'p_b')
+    once, first, second = (rank_records(tmp_path/p, 1)[0] for p in ('p_once', 'p_a', 'p_b'))
+    assert second['start_step'] == 2 and second['resumed_from'] and second['end_step'] == 4
+    torch.testing.assert_close(second['params_start'], first['params'], rtol=0, atol=0)
+    torch.testing.assert_close(second['params'], once['params'], rtol=0, atol=0)
+
+
+def test_folder_loads_in_the_pipeline_and_samples_on_two_ranks(glm2, tmp_path):
+    from diffusers import GlmImagePipeline
+    from imagegen.models import load_model
+    d, _ = glm2
+    folder = d/'run'/'model'
+    m = load_model(folder)
+    pipe = GlmImagePipeline.from_pretrained(folder)     # over a base built from nothing: the LoRA merged into the saved pipeline
+    theirs = pipe(prompt=['a red circle'], height=64, width=64, num_inference_steps=2, guidance_scale=1.5,
+                  generator=torch.Generator().manual_seed(3), output_type='pt').images
+    torch.testing.assert_close(m.generate(['a red circle'], num_inference_steps=2, seed=3), theirs * 2 - 1, rtol=0, atol=1e-4)
+    args = ['--model', folder, '--shapes_split', 'test', '--n', 3, '--steps', 2, '--batch_size', 2]
+    launch('scripts/sample.py', *args, '--out', tmp_path/'two')
+    run([sys.executable, 'scripts/sample.py', *map(str, args), '--batch_size', '1', '--out', str(tmp_path/'one')])
+    rows = [json.loads(l) for l in (tmp_path/'one'/'samples.jsonl').read_text().splitlines()]
+    assert len(rows) == 3 and rows[0]['family'] == 'glm' and rows[0]['steps'] == 2
+    for r in rows:   # seed i gives image i, on 1 or 2 ranks, in batches of 1 or 2
+        assert (tmp_path/'one'/r['file_name']).read_bytes() == (tmp_path/'two'/r['file_name']).read_bytes()
+    run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'one'), '--feature', 'random', '--log_to_run', 'false'])
+    assert json.loads((tmp_path/'one'/'metrics.json').read_text())['oracle/n'] == 3
+
+
+def test_image_to_image_samples_as_an_editor(tmp_path):
+    launch('scripts/train_glm_image.py', '--output_dir', tmp_path/'run', *TINY, '--max_steps', 1, '--mode', 'i2i', '--train', 'dit',
+           num_processes=1)
+    run([sys.executable, 'scripts/sample.py', '--model', str(tmp_path/'run'/'model'), '--shapes_edit_split', 'test', '--n', '2',
+         '--steps', '2', '--out', str(tmp_path/'edits')])
+    rows = [json.loads(l) for l in (tmp_path/'edits'/'samples.jsonl').read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]['family'] == 'glm-edit' and 'edit' in rows[0] and (tmp_path/'edits'/rows[0]['source_file_name']).is_file()
+    run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'edits'), '--feature', 'random', '--log_to_run', 'false'])
+
+
+def test_user_errors_are_one_line(glm2, tmp_path):
+    d, _ = glm2
+    calls = [('scripts/train_glm_image.py', ['--resolution', 48, '--output_dir', tmp_path/'a']),
+             ('scripts/train_glm_image.py', ['--train', 'vq', '--output_dir', tmp_path/'b']),
+             ('scripts/train_glm_image.py', ['--pretrained_model_name_or_path', tmp_path/'nothing', '--output_dir', tmp_path/'c']),
+             ('scripts/sample.py', ['--model', d/'run'/'model', '--sampler', 'ddim', '--prompts', 'a red circle', '--out', tmp_path/'d'])]
+    res = run_many(calls)
+    for (script, argv), r, want in zip(calls, res, ['multiple of 32', "choose 'ar'", 'does not exist', '--sampler']):
+        assert r['returncode'] == 2, (argv, r)
+        err = r['stderr'].strip().splitlines()
+        assert want in err[-1] and 'Traceback' not in r['stderr'], (argv, r['stderr'][-2000:])
