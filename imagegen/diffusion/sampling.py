@@ -19,10 +19,10 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from ..text import tiny_clip_tokenizer
 
 # %% auto #0
-__all__ = ['SAMPLERS', 'SCHEDULE_KEYS', 'SIGMA_SAMPLERS', 'tiny_sd_components', 'make_scheduler', 'unpin_defaults',
-           'clip_encoder', 'as_encoder', 'make_generators', 'draw_noise', 'draw_timesteps', 'guidance_streams',
-           'mix_guidance', 'thresholds', 'clip_prediction', 'sample_latents', 'sample', 'to_pipeline',
-           'sample_distributed']
+__all__ = ['SAMPLERS', 'TWO_EVALUATIONS', 'SCHEDULE_KEYS', 'SIGMA_SAMPLERS', 'tiny_sd_components', 'make_scheduler',
+           'last_alpha_bar', 'unpin_defaults', 'clip_encoder', 'as_encoder', 'make_generators', 'draw_noise',
+           'draw_timesteps', 'guidance_streams', 'mix_guidance', 'thresholds', 'clip_prediction', 'sample_latents',
+           'sample', 'to_pipeline', 'sample_distributed']
 
 # %% ../../nbs/04a_sampling.ipynb #6831c727
 def tiny_sd_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:
@@ -64,7 +64,17 @@ def make_scheduler(name:str, train_schedule, **overrides):
     drops = learned and cls is not DDPMScheduler and cfg.get('prediction_type', 'epsilon') != 'epsilon'   # DPM-Solver splits it off for epsilon models only
     if 'variance_type' in cfg and ('variance_type' not in inspect.signature(cls.__init__).parameters or drops):
         cfg = {**cfg, 'variance_type': None}     # in the config, not a keyword (which a class without the parameter ignores): IF pipelines read it
+    if name in TWO_EVALUATIONS and 'timestep_spacing' not in overrides and last_alpha_bar(train_schedule) < 1e-6:
+        opts = {**opts, 'timestep_spacing': 'leading'}   # not from the degenerate last step (see above)
     return cls.from_config(cfg, **{**opts, **overrides})
+
+TWO_EVALUATIONS = ('plms', 'heun')   # samplers that combine two model evaluations across one step
+
+def last_alpha_bar(schedule) -> float:
+    "alpha-bar at the last training timestep of `schedule` (a scheduler or its config)."
+    a = getattr(schedule, 'alphas_cumprod', None)
+    if a is None: a = DDPMScheduler.from_config(getattr(schedule, 'config', schedule)).alphas_cumprod
+    return float(a[-1])
 
 # %% ../../nbs/04a_sampling.ipynb #0c849c4d
 SCHEDULE_KEYS = ('num_train_timesteps', 'beta_start', 'beta_end', 'beta_schedule', 'trained_betas', 'prediction_type')
