@@ -37,6 +37,12 @@ def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:EditDataConfig) -> Glm
     grids(model, dcfg, tcfg.n_samples)                          # --validation_prompts win (the loop sets them)
     data = dcfg if cfg.mode == 'i2i' else t2i_data(dcfg)
     dl = data.make_dataloader(tcfg.batch_size, cfg.resolution)
+    if cfg.vae or cfg.fit_codebook:        # first stages of a model built here, on the first training images (every rank the same)
+        import itertools
+        n = max(cfg.fit_codebook, 256)
+        images = [x['pixel_values'] for x in itertools.islice((dl.dataset[i] for i in range(len(dl.dataset))) if hasattr(dl.dataset, '__len__') else dl.dataset, n)]
+        info = model.fit_first_stages(images)
+        if acc.is_main_process: print(f"first stages on {len(images)} training images: {info}", flush=True)
     train(model, dl, tcfg, accelerator=acc, sections={'data': data})
     return model
 
