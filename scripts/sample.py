@@ -12,6 +12,7 @@ from imagegen.diagnostics import destroy_process_group_at_exit
 from imagegen.models import family_of, load_model as load_any_model
 from imagegen.metrics import best_of_n, clip_model as load_clip, clip_scores, oracle_scores, to_unit_batch, write_ranked
 from imagegen.grids import save_grid, to_pil
+from imagegen.diffusion.glide import clip_bound
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
 from imagegen.shapes import ShapesDataset, ShapesOracle, ShapesTextDataset, prompt as scene_prompt, text_prompt
 from imagegen.data import open_image
@@ -77,7 +78,7 @@ def family_images(acc:Accelerator, family:str, m, ps:list[str], seeds:list[int],
         if any(v is not None for v in (temperature, top_k, top_p)): raise ConfigError("--temperature, --top_k and --top_p apply to latent GPT models, not to diffusion.")
         images = sample_distributed(acc, m.unet, make_scheduler(sampler, m.scheduler), m.text_encoder, ps, seeds, negative_prompt=negative_prompt,
                                     autoencoder=getattr(m, 'autoencoder', None), guidance_scale=guidance, steps=steps, eta=eta,
-                                    batch_size=batch_size, progress=acc.is_main_process)
+                                    batch_size=batch_size, progress=acc.is_main_process, clip_x0=clip_bound(m.scheduler))   # GLIDE's clip, as its generate
         return images, dict(family=family, sampler=sampler, steps=steps, guidance=guidance)
     if family == 'glm':     # GlmImagePipeline itself: the generator samples with its generation config, the DiT with flow-matching Euler
         bad = [f for f, v in (('--sampler', sampler), ('--negative_prompt', negative_prompt), ('--eta', eta), ('--temperature', temperature),

@@ -5,7 +5,7 @@ user meets."""
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
-from conftest import ROOT, run, launch, rank_records
+from conftest import assert_same_image, ROOT, run, launch, rank_records
 
 SMALL = ['--block_out_channels', '32,32', '--attention_levels', 'false,true', '--text_width', 32, '--text_ctx', 16, '--text_layers', 1]
 BASE_ARGS = ['--dataset', 'shapes:n=32', '--resolution', 16, '--max_steps', 4, '--batch_size', 4, '--checkpoint_every', 2,
@@ -57,7 +57,7 @@ def test_cascade_sampling_on_two_ranks_and_evaluation(glide2, tmp_path):
         one = [json.loads(l) for l in (tmp_path/'one'/sub/'samples.jsonl').read_text().splitlines()]
         assert len(one) == 3 and one[0]['family'] == 'glide'
         for r in one:   # seed i gives image i, on 1 or 2 ranks, in batches of 2 or (upsampled) 1
-            assert (tmp_path/'one'/sub/r['file_name']).read_bytes() == (tmp_path/'two'/sub/r['file_name']).read_bytes()
+            assert_same_image(tmp_path/'one'/sub/r['file_name'], tmp_path/'two'/sub/r['file_name'])
     p = run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'one'), '--feature', 'random', '--log_to_run', 'false',
              '--upsampler', str(d/'up'/'model'), '--upsampler_steps', '2', '--upsampler_batch_size', '2'])
     m = json.loads((tmp_path/'one'/'metrics.json').read_text())

@@ -4,7 +4,7 @@ order, evaluate.py, image to image through sample.py --shapes_edit_split, and th
 import json, sys
 from pathlib import Path
 import pytest, torch
-from conftest import run, launch, rank_records, run_many
+from conftest import assert_same_image, run, launch, rank_records, run_many
 
 TINY = ['--dataset_name', 'shapes:n=16', '--batch_size', 2, '--report_to', 'none', '--learning_rate', '1e-3']
 
@@ -58,7 +58,7 @@ def test_folder_loads_in_the_pipeline_and_samples_on_two_ranks(glm2, tmp_path):
     rows = [json.loads(l) for l in (tmp_path/'one'/'samples.jsonl').read_text().splitlines()]
     assert len(rows) == 3 and rows[0]['family'] == 'glm' and rows[0]['steps'] == 2
     for r in rows:   # seed i gives image i, on 1 or 2 ranks, in batches of 1 or 2
-        assert (tmp_path/'one'/r['file_name']).read_bytes() == (tmp_path/'two'/r['file_name']).read_bytes()
+        assert_same_image(tmp_path/'one'/r['file_name'], tmp_path/'two'/r['file_name'])
     run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'one'), '--feature', 'random', '--log_to_run', 'false'])
     assert json.loads((tmp_path/'one'/'metrics.json').read_text())['oracle/n'] == 3
 

@@ -4,7 +4,7 @@ ceiling, and the command-line errors a user meets (a folder of the other family,
 import json, sys
 from pathlib import Path
 import pytest, torch
-from conftest import ROOT, run, launch, rank_records
+from conftest import assert_same_image, ROOT, run, launch, rank_records
 
 
 @pytest.fixture(scope='module')
@@ -71,7 +71,7 @@ def test_sample_and_evaluate_on_two_ranks(gpt2, tmp_path):
     one = [json.loads(l) for l in (tmp_path/'one'/'samples.jsonl').read_text().splitlines()]
     assert [r['prompt'] for r in two] == [r['prompt'] for r in one] and two[0]['family'] == 'gpt'
     for r in one:   # seed i gives image i, on 1 or 2 ranks, in any batch
-        assert (tmp_path/'one'/r['file_name']).read_bytes() == (tmp_path/'two'/r['file_name']).read_bytes()
+        assert_same_image(tmp_path/'one'/r['file_name'], tmp_path/'two'/r['file_name'])
     p = run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'one'), '--feature', 'random', '--log_to_run', 'false'])
     m = json.loads((tmp_path/'one'/'metrics.json').read_text())
     assert m['first_stage/n'] == 5 and 'vqvae reconstructions' in p.stdout and m['family'] == 'gpt'

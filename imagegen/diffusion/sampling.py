@@ -219,7 +219,7 @@ def _listify(x, n:int, name:str) -> list:
 def sample(unet, scheduler, text, prompts:str|Sequence[str], *, autoencoder=None, negative_prompt:str|Sequence[str]|None=None,
            guidance_scale:float=7.5, steps:int=50, height:int|None=None, width:int|None=None, generator=None,
            latents:torch.Tensor|None=None, eta:float=0.0, batch_size:int|None=None, output:str='pil',
-           progress:bool=True, callback:Callable|None=None):
+           progress:bool=True, callback:Callable|None=None, clip_x0:float|None=None):
     "Images for `prompts` with classifier-free guidance; `text` is `encode(prompts)`, an object with `.encode`, or (tokenizer, text model)."
     if output not in ('pil', 'pt', 'both'): raise ValueError(f"output={output!r}: use 'pil', 'pt' or 'both'.")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -239,7 +239,7 @@ def sample(unet, scheduler, text, prompts:str|Sequence[str], *, autoencoder=None
         g = gens[sl] if isinstance(gens, list) else gens
         lat = sample_latents(unet, scheduler, cond, uncond, guidance_scale=guidance_scale, steps=steps, shape=shape,
                              generator=g, latents=None if latents is None else latents[sl], eta=eta, progress=progress,
-                             callback=callback, desc=f'sampling {k + 1}/{nch}' if nch > 1 else 'sampling')
+                             callback=callback, desc=f'sampling {k + 1}/{nch}' if nch > 1 else 'sampling', clip_x0=clip_x0)
         chunks.append((autoencoder.decode(lat) if autoencoder is not None else lat).float().cpu())
     x = torch.cat(chunks)
     proc = VaeImageProcessor(vae_scale_factor=f)
