@@ -28,8 +28,8 @@ from .shapes import (COLOR_WORDS, POSITION_WORDS, RELATION_WORDS, SHAPE_WORDS, S
 
 # %% auto #0
 __all__ = ['MAX_BATCH', 'GENERATOR_ADAPTERS', 'VERDICT_KEYS', 'GenerationRequest', 'ImageGenerator', 'DiffusionGenerator',
-           'GPTGenerator', 'EditGenerator', 'as_generator', 'ShapesPrompt', 'parse_prompt', 'shapes_verdict',
-           'verdict_html', 'GenerationUI']
+           'GPTGenerator', 'EditGenerator', 'GlmGenerator', 'as_generator', 'ShapesPrompt', 'parse_prompt',
+           'shapes_verdict', 'verdict_html', 'GenerationUI']
 
 # %% ../nbs/07b_interactive.ipynb #ee3fa3aa
 MAX_BATCH = 64   # images per click; more belongs in scripts/sample.py
@@ -142,8 +142,25 @@ class EditGenerator:
         return to_pil(x, value_range=(-1, 1))
 
 # %% ../nbs/07b_interactive.ipynb #28c6acfe
+class GlmGenerator:
+    "`ImageGenerator` over a `GlmImage`: `GlmImagePipeline` itself, one seed per image; a model trained image to image edits the request's source."
+    samplers = ()
+    def __init__(self, model, device=None):
+        self.model = model if device is None else model.to(device)
+        self.needs_source = model.i2i
+
+    def __call__(self, request:GenerationRequest, callback:Callable[[int, int], None]|None=None) -> list[Image.Image]:
+        r, m = request.check(self.samplers), self.model
+        if r.negative_prompt: raise ValueError("Negative prompt: GLM-Image's unconditional pass drops the prior tokens and the quoted text; leave it empty.")
+        if m.i2i and r.source is None: raise ValueError("Source image: this GLM-Image was trained image to image; upload one (or pass source= to GenerationUI).")
+        steps = r.steps
+        cb = None if callback is None else (lambda pipe, i, t, kw: (callback(i + 1, steps), kw)[1])   # the DiT's steps
+        x = m.generate([r.prompt] * r.batch_size, image=[r.source] * r.batch_size if m.i2i else None, num_inference_steps=steps,
+                       guidance_scale=r.guidance, generator=[torch.Generator().manual_seed(s) for s in r.seeds], callback_on_step_end=cb)
+        return to_pil(x, value_range=(-1, 1))
+
 GENERATOR_ADAPTERS:dict[str, Callable] = {'ldm': DiffusionGenerator, 'glide': DiffusionGenerator, 'gpt': GPTGenerator,   # family -> adapter(model, device)
-                                         'ldm-edit': EditGenerator, 'gpt-edit': EditGenerator}
+                                         'ldm-edit': EditGenerator, 'gpt-edit': EditGenerator, 'glm': GlmGenerator}
 
 def as_generator(model, device=None) -> ImageGenerator:
     "An `ImageGenerator` from a model folder (a latent GPT's, a GLIDE base model's, or `LatentDiffusion.from_pretrained`), a model with an adapter, or a generator."
