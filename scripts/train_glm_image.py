@@ -21,7 +21,7 @@ def t2i_data(dcfg:EditDataConfig) -> DataConfig:
 
 def grids(model:GlmImage, dcfg, n:int):
     "The prompts (and for image to image the sources) of the sample grids: held-out Shapes prompts or edits; else the loop's defaults or --validation_prompts."
-    if not is_shapes(dcfg.dataset) and str(dcfg.dataset).split(':')[0] != 'shapes': return
+    if not is_shapes(dcfg.dataset): return
     if model.i2i:
         from imagegen.edits import ShapesEdits
         ds = ShapesEdits('test', model.config.resolution, n=n)
@@ -39,8 +39,9 @@ def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:EditDataConfig) -> Glm
     dl = data.make_dataloader(tcfg.batch_size, cfg.resolution)
     if cfg.vae or cfg.fit_codebook:        # first stages of a model built here, on the first training images (every rank the same)
         import itertools
-        n = max(cfg.fit_codebook, 256)
-        images = [x['pixel_values'] for x in itertools.islice((dl.dataset[i] for i in range(len(dl.dataset))) if hasattr(dl.dataset, '__len__') else dl.dataset, n)]
+        n, src = max(cfg.fit_codebook, 256), dl.dataset
+        samples = (src[i] for i in range(min(n, len(src)))) if hasattr(src, '__len__') else itertools.islice(src, n)   # a stream: its first n
+        images = [x['pixel_values'] for x in samples]
         info = model.fit_first_stages(images)
         if acc.is_main_process: print(f"first stages on {len(images)} training images: {info}", flush=True)
     train(model, dl, tcfg, accelerator=acc, sections={'data': data})

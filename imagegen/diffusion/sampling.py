@@ -188,6 +188,7 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
     learned = (isinstance(scheduler, DDPMScheduler)      # only DDPM samples with a learned variance (DPM-Solver drops it, for
                and scheduler.config.variance_type in ('learned', 'learned_range'))   # epsilon models only); a config key alone is not enough
     twice = lambda v: torch.cat([v] * (3 if three else 2)) if cfg else v      # one copy per stream
+    clip = clip_x0 is not None and not thresholds(scheduler)                 # a scheduler that thresholds clips x0 itself
     if concat is not None:
         concat = concat.to(dev, dtype)
         concat = torch.cat([concat, concat, torch.zeros_like(concat)]) if three else twice(concat)
@@ -200,7 +201,7 @@ def sample_latents(unet, scheduler, cond:torch.Tensor, uncond:torch.Tensor|None=
         if cfg:
             eps = mix_guidance(eps, guidance_scale, image_guidance_scale)
             if var is not None: var = var.chunk(3)[0] if three else var.chunk(2)[1]   # the conditional stream's variance
-        if clip_x0 is not None and not thresholds(scheduler): eps = clip_prediction(scheduler, eps, latents, t, clip_x0)
+        if clip: eps = clip_prediction(scheduler, eps, latents, t, clip_x0)
         if var is not None and learned: eps = torch.cat([eps, var], dim=1)
         latents = scheduler.step(eps, t, latents, **kw, return_dict=False)[0]
         if callback is not None: callback(i + 1, len(ts), latents)

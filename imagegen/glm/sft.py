@@ -12,8 +12,8 @@ from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift
 
 # %% auto #0
-__all__ = ['glm_messages', 'glm_ar_inputs', 'glm_image_codes', 'glm_ar_batch', 'glm_ar_loss', 'glm_latents', 'glm_prior_ids',
-           'glm_dit_batch', 'glm_dit_sigmas', 'glm_dit_loss']
+__all__ = ['glm_messages', 'glm_ar_inputs', 'glm_vision_features', 'glm_image_codes', 'glm_ar_batch', 'glm_ar_loss',
+           'glm_latents', 'glm_prior_ids', 'glm_dit_batch', 'glm_dit_sigmas', 'glm_dit_loss']
 
 # %% ../../nbs/05g_glm_sft.ipynb #70ff6ed7
 def glm_messages(prompts:list[str], sources:list[list]|None=None) -> list[list[dict]]:
@@ -35,14 +35,18 @@ def _pil(x) -> PIL.Image.Image:
     return PIL.Image.fromarray(((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy())
 
 @torch.no_grad()
-def glm_image_codes(pipe:GlmImagePipeline, images:list, grid:tuple[int, int]) -> torch.Tensor:
-    "Visual tokens `(B, h*w)` of `images` (PIL, or `(3, H, W)` in [-1, 1]) on an `(h, w)` grid: the generator's own vision tower and VQ, as for a source image."
+def glm_vision_features(pipe:GlmImagePipeline, images:list, grid:tuple[int, int]) -> list[torch.Tensor]:
+    "The generator's vision-tower feature map `(C, h, w)` of each of `images` (PIL, or `(3, H, W)` in [-1, 1]) resized to an `(h, w)` token grid, as the processor feeds a source image."
     h, w = grid
     ar = pipe.vision_language_encoder
     pv = pipe.processor.image_processor([_pil(im).resize((16 * w, 16 * h), PIL.Image.BICUBIC) for im in images], do_resize=False, return_tensors='pt')
-    grids = pv['image_grid_thw']
-    feats = ar.get_image_features(pv['pixel_values'].to(ar.device, ar.dtype), grids.to(ar.device)).pooler_output   # a (C, h, w) map per image
-    return ar.model.get_image_tokens(list(feats)).view(len(images), h * w)
+    return list(ar.get_image_features(pv['pixel_values'].to(ar.device, ar.dtype), pv['image_grid_thw'].to(ar.device)).pooler_output)
+
+@torch.no_grad()
+def glm_image_codes(pipe:GlmImagePipeline, images:list, grid:tuple[int, int]) -> torch.Tensor:
+    "Visual tokens `(B, h*w)` of `images` on an `(h, w)` grid: the generator's own vision tower and VQ, as for a source image."
+    h, w = grid
+    return pipe.vision_language_encoder.model.get_image_tokens(glm_vision_features(pipe, images, grid)).view(len(images), h * w)
 
 # %% ../../nbs/05g_glm_sft.ipynb #28204c7d
 def _grids(inputs) -> list[list[list[int]]]:

@@ -16,7 +16,7 @@ from ..config import Config, ConfigError, model_record, sampling_settings
 from ..grids import to_pil
 from .build import GlmBuildConfig, build_glm_image, fix_image_to_image
 from .memory import AR_LORA_TARGETS, DIT_LORA_TARGETS
-from .sft import _pil, glm_ar_batch, glm_ar_loss, glm_dit_batch, glm_dit_loss, glm_image_codes
+from .sft import _pil, glm_ar_batch, glm_ar_loss, glm_dit_batch, glm_dit_loss, glm_image_codes, glm_vision_features
 
 # %% auto #0
 __all__ = ['GLM_FILE', 'AR_LORA_DIR', 'DIT_LORA_DIR', 'GlmConfig', 'ar_lora_config', 'dit_lora_config', 'lora_parameters',
@@ -258,12 +258,8 @@ def sample(self:GlmImage, n:int|None=None, step:int|None=None, **kwargs) -> tupl
 @torch.no_grad()
 def glm_code_features(pipe:GlmImagePipeline, images:list, grid:tuple[int, int]) -> torch.Tensor:
     "What the VQ chooses its codes from for `images` on an `(h, w)` grid: the vision tower's features through `quant_conv`, L2-normalised, one row per visual token."
-    import PIL.Image
-    h, w = grid
-    ar = pipe.vision_language_encoder
-    pv = pipe.processor.image_processor([_pil(im).resize((16 * w, 16 * h), PIL.Image.BICUBIC) for im in images], do_resize=False, return_tensors='pt')
-    feats = ar.get_image_features(pv['pixel_values'].to(ar.device, ar.dtype), pv['image_grid_thw'].to(ar.device)).pooler_output
-    z = torch.stack([ar.model.vqmodel.quant_conv(f[None])[0] for f in feats])
+    vq = pipe.vision_language_encoder.model.vqmodel
+    z = torch.stack([vq.quant_conv(f[None])[0] for f in glm_vision_features(pipe, images, grid)])
     return torch.nn.functional.normalize(z.permute(0, 2, 3, 1).reshape(-1, z.shape[1]).float(), dim=-1)
 
 def glm_grids(pipe:GlmImagePipeline, height:int, width:int, mode:str='t2i') -> list[tuple[int, int]]:
