@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 import dataclasses
-from imagegen.config import Flag, parse_run, run_cli
+from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.data import DATA_FLAGS, DataConfig, is_shapes, shapes_prompts
-from imagegen.edits import EditDataConfig
-from imagegen.glm.task import GlmConfig, GlmImage
+from imagegen.glm.task import GlmConfig, GlmDataConfig, GlmImage
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/glm', lr=1e-4, max_steps=5000, batch_size=8, warmup_steps=100, weight_decay=0.01,
                                   sample_every=500, n_samples=4, tags={'model': 'glm-image'}),
-                model=GlmConfig(), data=EditDataConfig(caption_dropout=0.0))
+                model=GlmConfig(), data=GlmDataConfig())
 FLAGS = TRAIN_FLAGS + DATA_FLAGS + [Flag('--train', 'model.train'), Flag('--mode', 'model.mode'), Flag('--resolution', 'model.resolution'),
                                     Flag('--cache_dir', ('model.cache_dir', 'data.cache_dir'))]
 
-def t2i_data(dcfg:EditDataConfig) -> DataConfig:
+def t2i_data(dcfg:GlmDataConfig) -> DataConfig:
     "The text-to-image data section of `dcfg` (the edit columns dropped)."
     names = {f.name for f in dataclasses.fields(DataConfig)}
     return DataConfig(**{k: v for k, v in dcfg.to_dict().items() if k in names})
@@ -28,7 +27,7 @@ def grids(model:GlmImage, dcfg, n:int):
         model.sample_sources, model.sample_prompts = [ds[i]['input_image'] for i in range(n)], [ds[i]['edit_prompt'] for i in range(n)]
     else: model.sample_prompts = shapes_prompts(n)
 
-def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:EditDataConfig) -> GlmImage:
+def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:GlmDataConfig) -> GlmImage:
     "Fine-tune GLM-Image with the shared loop; the model goes to OUTPUT_DIR/model."
     from imagegen.training.loop import make_accelerator, train
     tcfg = tcfg.override({'tags': {'model': 'glm-image', 'train': cfg.train, 'mode': cfg.mode, **(tcfg.tags or {})}})
@@ -36,7 +35,11 @@ def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:EditDataConfig) -> Glm
     model = GlmImage.from_config(cfg, seed=tcfg.seed)
     grids(model, dcfg, tcfg.n_samples)                          # --validation_prompts win (the loop sets them)
     data = dcfg if cfg.mode == 'i2i' else t2i_data(dcfg)
-    dl = data.make_dataloader(tcfg.batch_size, cfg.resolution)
+    if dcfg.cache_latents and cfg.mode == 'i2i':
+        raise ConfigError("--cache_latents is for text to image: image to image reads its source images through the generator's processor "
+                          "at every step. Train without it.")
+    ds = data.make_dataset(cfg.resolution)
+    dl = data.make_dataloader(tcfg.batch_size, cfg.resolution, dataset=ds)
     if cfg.vae or cfg.fit_codebook:        # first stages of a model built here, on the first training images (every rank the same)
         import itertools
         n, src = max(cfg.fit_codebook, 256), dl.dataset
@@ -44,7 +47,12 @@ def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:EditDataConfig) -> Glm
         images = [x['pixel_values'] for x in samples]
         info = model.fit_first_stages(images)
         if acc.is_main_process: print(f"first stages on {len(images)} training images: {info}", flush=True)
-    train(model, dl, tcfg, accelerator=acc, sections={'data': data})
+    if dcfg.cache_latents and not getattr(dl, 'self_sharded', False):   # the ranks split the encoding into an on-disk cache, then each reads all of it
+        model.pipe.to(acc.device)
+        ds = model.cache_first_stages(data.for_cache(ds), cache_dir=dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', accelerator=acc,
+                                      fingerprint=data.fingerprint(cfg.resolution), progress=acc.is_local_main_process)
+        dl = data.make_dataloader(tcfg.batch_size, cfg.resolution, dataset=data.from_cache(ds))
+    train(model, dl, tcfg, accelerator=acc, sections={'data': dcfg})
     return model
 
 def main(argv:list[str]|None=None) -> GlmImage:

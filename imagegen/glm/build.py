@@ -13,9 +13,9 @@ from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalG
 from ..config import Config, ConfigError
 
 # %% auto #0
-__all__ = ['GLM_SPECIAL', 'visual_token', 'glm_tokenizer', 'glm_chat_template', 'GlmBuildConfig', 'glm_image_processor',
-           'glm_ar_config', 'glm_dit_config', 'glm_glyph_config', 'glm_vae_config', 'glm_scheduler', 'build_glm_image',
-           'fix_image_to_image', 'glm_parameter_counts']
+__all__ = ['GLM_SPECIAL', 'GLM_AR_SAMPLING', 'visual_token', 'glm_tokenizer', 'glm_chat_template', 'GlmBuildConfig',
+           'glm_image_processor', 'glm_ar_config', 'glm_dit_config', 'glm_glyph_config', 'glm_vae_config',
+           'glm_scheduler', 'build_glm_image', 'fix_image_to_image', 'glm_parameter_counts']
 
 # %% ../../nbs/05f_glm.ipynb #38158960
 def visual_token(i:int) -> str:
@@ -77,13 +77,15 @@ class GlmBuildConfig(Config):
     dit_time_embed_dim:int = 16             # (512)
     dit_condition_dim:int = 8               # (256)
     min_pixels:int = 32 * 32                # the processor's smallest and largest image, in pixels (release: 512², 2048²)
+    scheduler_shift:float|None = None       # None: the release's shift, by image size (0.44 at 64 px .. 3.25 at 1024 px); a number: that shift at every size
     max_pixels:int = 512 * 512
 
     presets:ClassVar[dict[str, dict]] = {
         'tiny': {},
         'shapes': dict(codebook_size=256, ar_hidden=128, ar_layers=4, ar_heads=4, ar_kv_heads=2, ar_intermediate=256, vision_hidden=64,
                        vision_heads=4, vision_intermediate=128, dit_layers=4, dit_heads=4, dit_head_dim=16, dit_time_embed_dim=64,
-                       dit_condition_dim=32),   # Shapes on CPU: 256 codes and a wider vision tower, so that a 2x2 token grid tells shapes apart
+                       dit_condition_dim=32, scheduler_shift=2.5),   # Shapes on CPU: 256 codes and a wider vision tower, so that a 2x2 token grid tells shapes apart;
+                       # shift 2.5 (more noise) where the release's rule gives 0.44 at 64 px (nbs/experiments/13_glm_image.ipynb)
         'release': dict(codebook_size=16384, ar_hidden=4096, ar_layers=40, ar_heads=32, ar_kv_heads=2, ar_intermediate=13696,
                         ar_vocab_size=168064, ar_image_vocab_size=16512, vision_hidden=1536, vision_layers=40, vision_heads=16,
                         vision_intermediate=6144, vq_dim=2048, glyph_width=1472, glyph_layers=12, glyph_heads=6, glyph_head_dim=64,
@@ -151,10 +153,15 @@ def glm_vae_config(cfg:GlmBuildConfig) -> dict:
                 up_block_types=['UpDecoderBlock2D'] * n, latent_channels=cfg.vae_latent_channels, layers_per_block=cfg.vae_layers_per_block,
                 norm_num_groups=min(32, min(cfg.vae_channels)), latents_mean=[0.0] * cfg.vae_latent_channels, latents_std=[1.0] * cfg.vae_latent_channels)
 
-def glm_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    "The DiT's sampler: flow-matching Euler with the resolution-dependent (linear) shift the pipeline computes."
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.25, max_shift=0.75,
+def glm_scheduler(shift:float|None=None) -> FlowMatchEulerDiscreteScheduler:
+    """The DiT's sampler: flow-matching Euler with the shift the pipeline computes from the image size (`mu = 0.25 + 0.75 *
+    sqrt(patches / 256)`: 0.44 at 64 px, 3.25 at 1024 px); `shift`: one shift at every size instead (the same rule with
+    `base_shift = shift`, `max_shift = 0`, which `glm_dit_sigmas` reads as it is)."""
+    lo, hi = (0.25, 0.75) if shift is None else (shift, 0.0)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=lo, max_shift=hi,
                                            base_image_seq_len=256, time_shift_type='linear')
+
+GLM_AR_SAMPLING = dict(do_sample=True, temperature=0.9, top_p=0.75)   # the release README's sampling of the generator
 
 def build_glm_image(cfg:GlmBuildConfig|str='tiny', seed:int=0) -> GlmImagePipeline:
     "A randomly initialised GLM-Image of `cfg`'s size as diffusers' `GlmImagePipeline`: the release's classes, our tokenizer and chat template."
@@ -163,10 +170,11 @@ def build_glm_image(cfg:GlmBuildConfig|str='tiny', seed:int=0) -> GlmImagePipeli
     tok = glm_tokenizer(cfg.codebook_size)
     processor = GlmImageProcessor(image_processor=glm_image_processor(cfg), tokenizer=tok, chat_template=glm_chat_template(cfg.codebook_size))
     ar = GlmImageForConditionalGeneration(glm_ar_config(cfg, tok)).eval()
+    ar.generation_config.update(**GLM_AR_SAMPLING)   # saved with it (generation_config.json): what the pipeline's `generate` call samples with
     glyph = T5EncoderModel(glm_glyph_config(cfg)).eval()
     return GlmImagePipeline(tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=glyph, vision_language_encoder=ar,
                             vae=AutoencoderKL(**glm_vae_config(cfg)).eval(), transformer=GlmImageTransformer2DModel(**glm_dit_config(cfg)).eval(),
-                            scheduler=glm_scheduler())
+                            scheduler=glm_scheduler(cfg.scheduler_shift))
 
 # %% ../../nbs/05f_glm.ipynb #5ef425bc
 def fix_image_to_image(pipe:GlmImagePipeline) -> GlmImagePipeline:

@@ -13,7 +13,7 @@ from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift
 
 # %% auto #0
 __all__ = ['glm_messages', 'glm_ar_inputs', 'glm_vision_features', 'glm_image_codes', 'glm_ar_batch', 'glm_ar_loss',
-           'glm_latents', 'glm_prior_ids', 'glm_dit_batch', 'glm_dit_sigmas', 'glm_dit_loss']
+           'glm_latents', 'glm_normalise_latents', 'glm_prior_ids', 'glm_dit_batch', 'glm_dit_sigmas', 'glm_dit_loss']
 
 # %% ../../nbs/05g_glm_sft.ipynb #70ff6ed7
 def glm_messages(prompts:list[str], sources:list[list]|None=None) -> list[list[dict]]:
@@ -54,17 +54,21 @@ def _grids(inputs) -> list[list[list[int]]]:
     g, n = inputs['image_grid_thw'].tolist(), inputs['images_per_sample'].tolist()
     return [g[sum(n[:i]):sum(n[:i + 1])] for i in range(len(n))]
 
-def glm_ar_batch(pipe:GlmImagePipeline, prompts:list[str], targets:list, height:int, width:int, sources:list[list]|None=None) -> dict:
+def glm_ar_batch(pipe:GlmImagePipeline, prompts:list[str], targets:list|None, height:int, width:int, sources:list[list]|None=None,
+                 codes:list[torch.Tensor]|None=None) -> dict:
     """The generator's teacher-forced batch: its inputs as the pipeline builds them, followed by what it should write for each
     target image (text to image: the preview grid, then the target grid; image to image: the target grid; then image end),
-    with `labels` -100 everywhere else. Text to image also gets the 3-axis positions generation uses."""
+    with `labels` -100 everywhere else. Text to image also gets the 3-axis positions generation uses. `codes`: the targets'
+    visual tokens on those grids, in that order, already encoded (a cache); None: `glm_image_codes` of `targets` here."""
     ar, K = pipe.vision_language_encoder, pipe.vision_language_encoder.config.image_start_token_id
     inputs = glm_ar_inputs(pipe, prompts, height, width, sources)
     grids = _grids(inputs)
     t2i = sources is None
     gen_grids = grids[0][::-1] if t2i else grids[0][-1:]          # text to image writes the preview (listed last) first
     if any(g != grids[0] for g in grids): raise ValueError(f"image grids {grids}: every sample of a batch needs the same image sizes (sources and target).")
-    codes = [glm_image_codes(pipe, targets, (h, w)) for _, h, w in gen_grids]
+    if codes is None: codes = [glm_image_codes(pipe, targets, (h, w)) for _, h, w in gen_grids]
+    elif [c.shape[1:] for c in codes] != [(h * w,) for _, h, w in gen_grids]:
+        raise ValueError(f"codes of {[tuple(c.shape[1:]) for c in codes]} tokens for the grids {[g[1:] for g in gen_grids]}: encode them on these grids (glm_image_codes).")
     end = torch.full((len(prompts), 1), K + 1, dtype=torch.long)
     gen = torch.cat([*codes, end], 1)                                # (B, n)
     ids = torch.cat([inputs['input_ids'], gen], 1)
@@ -93,18 +97,23 @@ def glm_latents(pipe:GlmImagePipeline, images:list, sample:bool=True, generator:
     vae = pipe.vae
     x = pipe.image_processor.preprocess([_pil(im) for im in images]).to(vae.device, vae.dtype)
     d = vae.encode(x).latent_dist
-    z = d.sample(generator) if sample else d.mode()
-    mean, std = (torch.tensor(getattr(vae.config, k)).view(1, -1, 1, 1).to(z) for k in ('latents_mean', 'latents_std'))
+    return glm_normalise_latents(pipe, d.sample(generator) if sample else d.mode())
+
+def glm_normalise_latents(pipe:GlmImagePipeline, z:torch.Tensor) -> torch.Tensor:
+    "VAE latents `z` as the DiT reads them: less the VAE's `latents_mean`, over its `latents_std` (the pipeline's normalisation)."
+    mean, std = (torch.tensor(getattr(pipe.vae.config, k)).view(1, -1, 1, 1).to(z) for k in ('latents_mean', 'latents_std'))
     return (z - mean) / std
 
 def glm_prior_ids(pipe:GlmImagePipeline, codes:torch.Tensor, grid:tuple[int, int]) -> torch.Tensor:
     "Visual tokens `(B, h*w)` on an `(h, w)` grid as the DiT reads them: each repeated over 2x2 patches (the pipeline's nearest upsampling), `(B, 4*h*w)`."
     return torch.cat([pipe._upsample_token_ids(c, *grid) for c in codes])
 
-def glm_dit_batch(pipe:GlmImagePipeline, prompts:list[str], targets:list, codes:torch.Tensor, sources:list|None=None,
-                  source_codes:torch.Tensor|None=None, generator:torch.Generator|None=None) -> dict:
-    "The DiT's training batch: target latents, the target's own visual tokens as its prior (what the generator is trained to write), the prompts for the glyph encoder; for image to image the source's clean latents and tokens."
-    x0 = glm_latents(pipe, targets, generator=generator)
+def glm_dit_batch(pipe:GlmImagePipeline, prompts:list[str], targets:list|None, codes:torch.Tensor, sources:list|None=None,
+                  source_codes:torch.Tensor|None=None, generator:torch.Generator|None=None, latents:torch.Tensor|None=None) -> dict:
+    """The DiT's training batch: target latents, the target's own visual tokens as its prior (what the generator is trained to
+    write), the prompts for the glyph encoder; for image to image the source's clean latents and tokens. `latents`: the
+    targets' normalised latents already drawn (a cache, `glm_normalise_latents`); None: `glm_latents` of `targets`."""
+    x0 = glm_latents(pipe, targets, generator=generator) if latents is None else latents
     H, W = x0.shape[-2] * pipe.vae_scale_factor, x0.shape[-1] * pipe.vae_scale_factor
     batch = dict(latents=x0, prior_token_id=glm_prior_ids(pipe, codes, (H // 32, W // 32)), prompts=list(prompts),
                  target_size=torch.tensor([[H, W]] * len(prompts), dtype=torch.float32))

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/05i_glm_train.ipynb #8c3ae990
 from __future__ import annotations
-import copy, json
+import copy, functools, json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -13,15 +13,17 @@ from torch import nn
 from fastcore.basics import patch
 from diffusers import GlmImagePipeline
 from ..config import Config, ConfigError, model_record, sampling_settings
+from ..edits import EditDataConfig
 from ..grids import to_pil
 from .build import GlmBuildConfig, build_glm_image, fix_image_to_image
 from .memory import AR_LORA_TARGETS, DIT_LORA_TARGETS
-from .sft import _pil, glm_ar_batch, glm_ar_loss, glm_dit_batch, glm_dit_loss, glm_image_codes, glm_vision_features
+from .sft import (_pil, glm_ar_batch, glm_ar_loss, glm_dit_batch, glm_dit_loss, glm_image_codes, glm_normalise_latents,
+                              glm_vision_features)
 
 # %% auto #0
-__all__ = ['GLM_FILE', 'AR_LORA_DIR', 'DIT_LORA_DIR', 'GlmConfig', 'ar_lora_config', 'dit_lora_config', 'lora_parameters',
-           'merged_copy', 'GlmStages', 'GlmImage', 'glm_code_features', 'glm_grids', 'fit_glm_codebook', 'use_vae',
-           'load_glm_pipeline']
+__all__ = ['GLM_FILE', 'AR_LORA_DIR', 'DIT_LORA_DIR', 'GlmConfig', 'GlmDataConfig', 'ar_lora_config', 'dit_lora_config',
+           'lora_parameters', 'merged_copy', 'GlmStages', 'GlmImage', 'PerPromptSampler', 'glm_code_features',
+           'glm_grids', 'fit_glm_codebook', 'use_vae', 'load_glm_pipeline']
 
 # %% ../../nbs/05i_glm_train.ipynb #e1c2bd76
 GLM_FILE = 'imagegen_glm.json'
@@ -65,6 +67,14 @@ class GlmConfig(Config):
     def trains_ar(self) -> bool: return self.train in ('ar', 'both')
     @property
     def trains_dit(self) -> bool: return self.train in ('dit', 'both')
+
+# %% ../../nbs/05i_glm_train.ipynb #66e48f9a
+@dataclass
+class GlmDataConfig(EditDataConfig):
+    "The data section of a GLM-Image run: `EditDataConfig` plus `cache_latents`."
+    caption_dropout:float = 0.0          # the DiT's unconditional samples come from GlmConfig.condition_dropout; this drops captions for both stages
+    cache_latents:bool = False           # encode the dataset once with the frozen VAE and VQ tokenizer (text to image, map-style data)
+
 
 # %% ../../nbs/05i_glm_train.ipynb #619c8a96
 def ar_lora_config(rank:int, alpha:float|None=None):
@@ -154,7 +164,7 @@ class GlmImage:
     def to(self, device):
         self.pipe.to(device); return self
 
-    def batch_size(self, batch:dict) -> int: return len(batch['pixel_values'])
+    def batch_size(self, batch:dict) -> int: return len(batch['caption'])
 
     def oom_tips(self) -> list[str]:
         "What would fit where this run ran out of memory, in its own flags (the loop adds them to its out-of-memory message; `nbs/05h_glm_memory.ipynb` has the table)."
@@ -186,21 +196,27 @@ def _size(images) -> tuple[int, int]:
 def losses(self:GlmImage, batch:dict) -> dict:
     "`{'loss', 'ar', 'dit'}`: the weighted sum and each trained stage's loss on `batch`."
     cfg, pipe = self.config, self.pipe
-    targets, prompts = _images(batch['pixel_values']), list(batch['caption'])
+    prompts, cached = list(batch['caption']), 'latent_mean' in batch       # cached: the first stages' outputs (`cache_first_stages`), no images
     if self.i2i and 'input_pixel_values' not in batch: raise ValueError("GlmConfig.mode='i2i' needs batches with source images (input_pixel_values): an edit dataset.")
     sources = [_pil(s) for s in _images(batch['input_pixel_values'])] if self.i2i else None   # the processor reads images, not [-1, 1] tensors
-    H, W = _size(targets)
+    targets = None if cached else _images(batch['pixel_values'])
+    H, W = (batch['latent_mean'].shape[-2] * pipe.vae_scale_factor, batch['latent_mean'].shape[-1] * pipe.vae_scale_factor) if cached else _size(targets)
     if H % 32 or W % 32: raise ValueError(f"images of {H}x{W} px: GLM-Image needs sides that are multiples of 32 (set the data resolution to GlmConfig.resolution={cfg.resolution}).")
     out, total = {}, 0.
     if cfg.trains_ar:
-        b = glm_ar_batch(pipe, prompts, targets, H, W, sources=[[s] for s in sources] if sources is not None else None)
+        b = glm_ar_batch(pipe, prompts, targets, H, W, sources=[[s] for s in sources] if sources is not None else None,
+                         codes=[batch['preview_codes'], batch['codes']] if cached else None)
         out['ar'] = glm_ar_loss(pipe.vision_language_encoder, b)
         total = total + cfg.ar_loss_weight * out['ar']
     if cfg.trains_dit:
         grid = (H // 32, W // 32)
-        codes = glm_image_codes(pipe, targets, grid)
+        codes = batch['codes'] if cached else glm_image_codes(pipe, targets, grid)
         src = glm_image_codes(pipe, sources, grid) if sources is not None else None
-        b = glm_dit_batch(pipe, prompts, targets, codes, sources, src)
+        z = None
+        if cached:   # a fresh draw from the cached posterior, as the VAE's own sample would be
+            m, s = batch['latent_mean'].float(), batch['latent_std'].float()
+            z = glm_normalise_latents(pipe, m + s * torch.randn(m.shape).to(m))
+        b = glm_dit_batch(pipe, prompts, targets, codes, sources, src, latents=z)
         out['dit'] = glm_dit_loss(pipe, b, drop_prob=cfg.condition_dropout)
         total = total + cfg.dit_loss_weight * out['dit']
     return {'loss': total, **{k: v.detach() for k, v in out.items()}}
@@ -211,27 +227,50 @@ def loss(self:GlmImage, model:nn.Module, batch:dict) -> dict:
     return model(batch)
 
 # %% ../../nbs/05i_glm_train.ipynb #1fc81fe5
+class PerPromptSampler:
+    """A transformers logits processor that draws each row's next token as a one-prompt `generate` would with the global
+    RNG seeded by that row's seed (what `GlmImagePipeline` does with its generator): the generation config's temperature,
+    top-k and top-p in transformers' order, then one multinomial draw from the row's own generator. It returns the drawn
+    token alone (every other logit -inf), so the sampling step after it can only take that token. transformers puts the
+    processors it is given before its own warpers, which is why this one applies them itself."""
+    def __init__(self, generation_config, seeds:list[int]):
+        from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+        unset = GenerationConfig._get_default_generation_params()    # what generate fills in for what the config leaves unset (top-k 50)
+        t, k, p = (getattr(generation_config, n, None) for n in ('temperature', 'top_k', 'top_p'))
+        t, k, p = (unset[n] if v is None else v for n, v in (('temperature', t), ('top_k', k), ('top_p', p)))
+        self.warpers = LogitsProcessorList(([TemperatureLogitsWarper(t)] if t != 1.0 else []) + ([TopKLogitsWarper(k)] if k else []) +
+                                           ([TopPLogitsWarper(p)] if p < 1.0 else []))
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids:torch.Tensor, scores:torch.Tensor) -> torch.Tensor:
+        if len(scores) != len(self.generators): raise ValueError(f"{len(scores)} rows for {len(self.generators)} seeds.")
+        probs = torch.softmax(self.warpers(input_ids, scores), dim=-1)
+        pick = torch.cat([torch.multinomial(p[None].cpu(), 1, generator=g) for p, g in zip(probs, self.generators)]).to(scores.device)
+        return torch.full_like(scores, float('-inf')).scatter_(1, pick, 0.0)
+
 @patch
 def generate(self:GlmImage, prompts:list[str]|None=None, image:list|torch.Tensor|None=None, *, seed:int=0,
              generator:torch.Generator|list[torch.Generator]|None=None, num_inference_steps:int|None=None, guidance_scale:float|None=None,
              height:int|None=None, width:int|None=None, callback_on_step_end:Callable|None=None) -> torch.Tensor:
     """Images `(len(prompts), 3, H, W)` in [-1, 1] from `GlmImagePipeline` itself; `image`: one source per prompt (image to
     image). One generator seeds the whole batch in one pipeline call, as the pipeline does; a list of them (one per
-    prompt) draws each image on its own, so that it does not depend on the rest of the batch. Unset settings: `self.sampling`."""
+    prompt) gives each image what a one-prompt pipeline call with its generator gives, in one batched call
+    (`PerPromptSampler`). Unset settings: `self.sampling`."""
     s = sampling_settings(self.sampling, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
     prompts = list(prompts or self.sample_prompts)
     sources = None if image is None else _images(image)
     if sources is not None and len(sources) != len(prompts): raise ValueError(f"{len(sources)} source images for {len(prompts)} prompts: give one per prompt.")
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != len(prompts): raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts: give one per prompt, or one for the batch.")
-        return torch.cat([self.generate([p], None if sources is None else sources[i:i + 1], generator=g, num_inference_steps=s['num_inference_steps'],
-                                        guidance_scale=s['guidance_scale'], height=height, width=width, callback_on_step_end=callback_on_step_end)
-                          for i, (p, g) in enumerate(zip(prompts, generator))])
+    per_prompt = isinstance(generator, (list, tuple))
+    if per_prompt and len(generator) != len(prompts): raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts: give one per prompt, or one for the batch.")
     size = self.config.resolution
-    g = generator if generator is not None else torch.Generator().manual_seed(seed)
-    mods = [self.pipe.vision_language_encoder, self.pipe.transformer]
+    g = list(generator) if per_prompt else generator if generator is not None else torch.Generator().manual_seed(seed)
+    ar = self.pipe.vision_language_encoder
+    mods = [ar, self.pipe.transformer]
     was = [m.training for m in mods]
     for m in mods: m.eval()
+    if per_prompt:   # the pipeline's generate call, with each prompt's tokens drawn from its own seed (the DiT's noise: the pipeline draws it per generator)
+        from transformers import LogitsProcessorList
+        ar.generate = functools.partial(type(ar).generate, ar, logits_processor=LogitsProcessorList([PerPromptSampler(ar.generation_config, [x.initial_seed() for x in g])]))
     try:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == 'cuda' else []), torch.no_grad():   # the pipeline seeds the global generator: the run's own stream goes on untouched
             out = self.pipe(prompt=prompts, image=None if sources is None else [[_pil(im)] for im in sources], height=height or size,
@@ -239,6 +278,7 @@ def generate(self:GlmImage, prompts:list[str]|None=None, image:list|torch.Tensor
                             generator=g, output_type='pt', callback_on_step_end=callback_on_step_end).images
     finally:
         for m, w in zip(mods, was): m.train(w)
+        if per_prompt: del ar.generate
     return out.float().cpu() * 2 - 1
 
 @patch
@@ -314,6 +354,32 @@ def fit_first_stages(self:GlmImage, images:list) -> dict:
     if cfg.fit_codebook:
         out['codebook'] = fit_glm_codebook(self.pipe, images[:cfg.fit_codebook], glm_grids(self.pipe, cfg.resolution, cfg.resolution, cfg.mode))
     return out
+
+# %% ../../nbs/05i_glm_train.ipynb #405033f2
+@patch
+def first_stage_encoder(self:GlmImage) -> Callable:
+    "`encode(pixel_values) -> {'latent_mean', 'latent_std', 'codes', 'preview_codes'}`: what the frozen first stages make of a batch of `(B, 3, H, W)` images in [-1, 1], for `encode_dataset`."
+    pipe = self.pipe
+    def encode(x:torch.Tensor) -> dict:
+        ims = _images(x)
+        H, W = _size(ims)
+        preview, target = glm_grids(pipe, H, W, 't2i')
+        v = pipe.vae       # the images as the pipeline's image processor hands them to the VAE (`glm_latents`)
+        d = v.encode(pipe.image_processor.preprocess([_pil(im) for im in ims]).to(v.device, v.dtype)).latent_dist
+        return {'latent_mean': d.mean.float().contiguous(), 'latent_std': d.std.float().contiguous(),
+                'codes': glm_image_codes(pipe, ims, target), 'preview_codes': glm_image_codes(pipe, ims, preview)}
+    return encode
+
+@patch
+def cache_first_stages(self:GlmImage, dataset, cache_dir=None, fingerprint:dict|None=None, accelerator=None, batch_size:int=64, progress:bool=True):
+    "Every image of a map-style loader dataset encoded once by the frozen first stages (`first_stage_encoder`); with `cache_dir`: on disk, shared by ranks and runs."
+    from imagegen.data import encode_dataset, encode_dataset_cached, weights_digest
+    if self.i2i: raise ConfigError("cache_latents is for text to image: image to image reads its source images through the generator's processor at every step. Train without it.")
+    encode = self.first_stage_encoder()
+    if cache_dir is None: return encode_dataset(encode, dataset, batch_size, progress, desc='encoding first stages')
+    ar = self.pipe.vision_language_encoder.model
+    fp = {**(fingerprint or {}), 'kind': 'glm-first-stages', 'encoder': weights_digest(nn.ModuleList([ar.visual, ar.vqmodel, self.pipe.vae]))}
+    return encode_dataset_cached(encode, dataset, cache_dir, fp, accelerator, batch_size, progress, desc='first stages')
 
 # %% ../../nbs/05i_glm_train.ipynb #6ab6d99a
 AR_LORA_DIR, DIT_LORA_DIR = 'vision_language_encoder_lora', 'transformer_lora'
