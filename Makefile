@@ -69,6 +69,9 @@ nbtest: install
 #   FAMILY=gpt:           tiny VQ-VAE -> tiny latent GPT       (recipes scripts/configs/main_vqvae.yaml, main_gpt.yaml)
 #   FAMILY=glide:         tiny GLIDE base at 32 px -> tiny 32->128 upsampler (recipes scripts/configs/main_glide.yaml,
 #                         main_glide_upsampler.yaml); Shapes is also rendered at 128 px for the upsampler
+#   FAMILY=glm:           GLM-Image in the release's classes at 64 px: its VAE, then both stages on it (recipes
+#                         scripts/configs/main_glm_vae.yaml, main_glm.yaml; N_GLM_TRAIN training scenes drawn by the Shapes
+#                         generator at 64 px), scored through GlmImagePipeline on held-out prompts and on seen pairs (validation)
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
 # TASK=edit (FAMILY=ldm or gpt): the family's text-to-image model above (trained first unless MAIN already holds it;
 #   its first stage, VAE or VQ-VAE, then sees two-object scenes too, see FIRST_STAGE_DATA) is fine-tuned into an
@@ -136,6 +139,20 @@ define TRAIN_glide
 	$(PY) scripts/evaluate.py --samples $(MAIN)/glide-samples --upsampler $(MAIN)/glide_upsampler/model --upsampler_sampler dpmpp_2m --upsampler_steps 8 \
 	  --upsampler_batch_size 4
 endef
+N_GLM_TRAIN ?= 4000
+GLM_STEPS ?=
+GLM_VAE_STEPS ?=
+GLM_GUIDANCE ?= 3
+define TRAIN_glm
+	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_glm_vae.yaml --output_dir $(MAIN)/glm-vae \
+	  --dataset_name shapes:n=$(N_GLM_TRAIN) $(if $(GLM_VAE_STEPS),--max_train_steps $(GLM_VAE_STEPS))
+	$(LAUNCH) scripts/train_glm_image.py --config scripts/configs/main_glm.yaml --output_dir $(MAIN)/glm --vae $(MAIN)/glm-vae/model \
+	  --dataset_name shapes:n=$(N_GLM_TRAIN) $(if $(GLM_STEPS),--max_train_steps $(GLM_STEPS))
+	$(PY) scripts/sample.py --model $(MAIN)/glm/model --shapes_split test --n $(N_EVAL) --guidance $(GLM_GUIDANCE) --batch_size 50 --out $(MAIN)/glm-samples
+	$(PY) scripts/evaluate.py --samples $(MAIN)/glm-samples
+	$(PY) scripts/sample.py --model $(MAIN)/glm/model --shapes_split validation --n $(N_EVAL) --guidance $(GLM_GUIDANCE) --batch_size 50 --out $(MAIN)/glm-samples-seen
+	$(PY) scripts/evaluate.py --samples $(MAIN)/glm-samples-seen
+endef
 T2I_ldm := $(MAIN)/ldm/model
 T2I_gpt := $(MAIN)/gpt/model
 # image guidance of the held-out edit samples, per family: the best on 200 validation edits (nbs/experiments/04_editing.ipynb)
@@ -161,15 +178,17 @@ endef
 SAMPLES_ldm := $(MAIN)/samples
 SAMPLES_gpt := $(MAIN)/gpt-samples
 SAMPLES_glide := $(MAIN)/glide-samples
+SAMPLES_glm := $(MAIN)/glm-samples
 SAMPLES = $(if $(filter edit,$(TASK)),$(MAIN)/$(FAMILY)-edit-samples,$(SAMPLES_$(FAMILY)))
 # TASK=edit trains the text-to-image model only when MAIN holds none (all recipe lines are expanded before the first runs)
 HAVE_T2I = $(wildcard $(T2I_$(FAMILY))/model_index.json $(T2I_$(FAMILY))/imagegen_gpt.json)
 main: check
-	@case "$(FAMILY)" in ldm|gpt|glide) ;; *) echo "FAMILY=$(FAMILY): choose ldm, gpt or glide"; exit 2;; esac
+	@case "$(FAMILY)" in ldm|gpt|glide|glm) ;; *) echo "FAMILY=$(FAMILY): choose ldm, gpt, glide or glm"; exit 2;; esac
 	@case "$(TASK)/$(FAMILY)" in t2i/*|edit/ldm|edit/gpt) ;; *) echo "TASK=$(TASK) FAMILY=$(FAMILY): TASK is t2i, or edit with FAMILY=ldm or gpt"; exit 2;; esac
 	@case "$(TASK)/$(LEVEL)" in */1|t2i/mixed) ;; *) echo "LEVEL=$(LEVEL) TASK=$(TASK): LEVEL is 1, or mixed with TASK=t2i"; exit 2;; esac
+	@case "$(FAMILY)/$(LEVEL)" in glm/mixed) echo "LEVEL=mixed FAMILY=glm: not yet; GLM-Image trains on single-object scenes here"; exit 2;; esac
 	$(BIN)/imagegen-diagnose
-	$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --level $(LEVEL) --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL)
+	$(if $(filter glm,$(FAMILY)),,$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --level $(LEVEL) --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL))
 	$(if $(and $(filter edit,$(TASK)),$(HAVE_T2I)),@echo "TASK=edit: starting from the text-to-image model in $(T2I_$(FAMILY)) (its first stage caps add/remove edits: evaluate.py prints the ceiling)",$(TRAIN_$(FAMILY)))
 	$(if $(filter edit,$(TASK)),$(EDIT))
 	$(if $(filter mixed,$(LEVEL)),$(LEVEL2))

@@ -12,7 +12,8 @@ import yaml
 
 # %% auto #0
 __all__ = ['IGNORED_SECTIONS', 'SECTION_ALIASES', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run',
-           'run_yaml', 'Flag', 'run_parser', 'parse_run', 'run_cli', 'run_script', 'model_record', 'sampling_settings']
+           'run_yaml', 'Flag', 'run_parser', 'parse_run', 'user_os_error', 'run_cli', 'check_flag', 'run_script',
+           'model_record', 'sampling_settings']
 
 # %% ../nbs/00b_config.ipynb #61751582
 class UserError(Exception):
@@ -259,13 +260,48 @@ def parse_run(defaults:dict[str, Config], flags:list[Flag]=(), argv:list[str]|No
     except ConfigError as e: p.error(str(e))
 
 # %% ../nbs/00b_config.ipynb #fbf91991
+def user_os_error(e:BaseException) -> str|None:
+    "One line for an operating-system error a user causes and can fix (a folder they cannot write, a file where a folder goes, a full disk, a file that is not text), else None."
+    import errno, shutil
+    where = getattr(e, 'filename', None)
+    if isinstance(e, UnicodeDecodeError): return f"a file is not UTF-8 text ({e.reason} at byte {e.start}): give a plain-text file."
+    if isinstance(e, PermissionError): return f"{where or 'a path'}: permission denied. Choose a folder you can write to (or read the file as its owner)."
+    if isinstance(e, (IsADirectoryError, NotADirectoryError, FileExistsError)): return f"{where or 'a path'}: {e.strerror or e}. Give a path of the kind the flag asks for (a file or a folder)."
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = '?'
+        for d in (where, Path(where).parent if where else None, '.'):
+            try: free = f"{shutil.disk_usage(d).free / 2**30:.2f} GiB"; break
+            except (OSError, TypeError): continue
+        return f"{where or 'a file'}: no space left on the device ({free} free). What was written before is kept; free space or choose another folder, then run again."
+    return None
+
 def run_cli(main, argv:list[str]|None=None, prog:str|None=None):
-    "Call `main(argv)`; a `UserError` or a missing file becomes one line on stderr and exit status 2."
+    "Call `main(argv)`; a `UserError`, a missing file or a user's operating-system error (`user_os_error`) becomes one line on stderr and exit status 2."
     import sys
+    name = prog or Path(sys.argv[0]).name
     try: return main(argv)
     except (UserError, FileNotFoundError) as e:
-        print(f"{prog or Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (OSError, UnicodeDecodeError) as e:
+        msg = user_os_error(e)
+        if msg is None: raise
+        print(f"{name}: error: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+# %% ../nbs/00b_config.ipynb #b804b403
+def check_flag(flag:str, value, lo=None, hi=None, lo_open:bool=False, hi_open:bool=False):
+    "Refuse `--flag value` unless it is unset (None) or a finite number in the range [lo, hi] (`lo_open`/`hi_open`: that end excluded)."
+    import math
+    if value is None: return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"--{flag} {value!r}: must be a finite number.")
+    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
+    bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
+    if bad_lo or bad_hi:
+        rng = ' and '.join(s for s in ((f"{'>' if lo_open else '>='} {lo}" if lo is not None else ''), (f"{'<' if hi_open else '<='} {hi}" if hi is not None else '')) if s)
+        raise ConfigError(f"--{flag} {value!r}: must be {rng}.")
+    return value
 
 # %% ../nbs/00b_config.ipynb #594a0965
 def run_script(func, argv:list[str]|None=None, prog:str|None=None):
