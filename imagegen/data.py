@@ -18,12 +18,12 @@ from .shapes import ShapesDataset, ShapesTextDataset, flip_caption, flip_scene
 # %% auto #0
 __all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'DATA_FLAGS', 'to_rgb', 'BadImage',
            'open_image', 'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values', 'ImageTransform',
-           'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'ImageFolderSource', 'write_imagefolder',
-           'caption_members', 'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples', 'decode_sample',
-           'dist_info', 'ShardSource', 'load_hf', 'HFSource', 'looks_like_path', 'make_dataset', 'CaptionCollator',
-           'make_dataloader', 'DataConfig', 'is_shapes', 'shapes_prompts', 'collect_captions', 'EncodedDataset',
-           'encode_dataset', 'weights_digest', 'DiskEncodedDataset', 'encode_dataset_cached', 'BothOrientations',
-           'RandomFlipView']
+           'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'inside', 'ImageFolderSource',
+           'write_imagefolder', 'caption_members', 'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples',
+           'decode_sample', 'dist_info', 'ShardSource', 'load_hf', 'HFSource', 'looks_like_path', 'make_dataset',
+           'CaptionCollator', 'make_dataloader', 'DataConfig', 'is_shapes', 'shapes_prompts', 'collect_captions',
+           'EncodedDataset', 'encode_dataset', 'weights_digest', 'DiskEncodedDataset', 'encode_dataset_cached',
+           'BothOrientations', 'RandomFlipView']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -163,6 +163,14 @@ class ShapesSource(Dataset):
 # %% ../nbs/01a_data.ipynb #fd9edf36
 IMAGE_EXTS = ('.jpg', '.jpeg', '.png', '.webp', '.bmp', '.gif', '.tif', '.tiff', '.ppm')
 
+def inside(root:str|Path, name:str, where:str) -> Path:
+    "`root/name`, refused (`BadDataError` naming `where`) when `name` is absolute or leads out of `root` (`..`, or a link that points elsewhere): a listing may only name files of its own folder."
+    root_r = Path(root).resolve()
+    p = (root_r/name).resolve()
+    if Path(name).is_absolute() or not p.is_relative_to(root_r):
+        raise BadDataError(f"{where}: file name {name!r} leads outside {root}. A listing may only name files inside its own folder: fix that row.")
+    return Path(root)/name
+
 class ImageFolderSource(Dataset):
     "Captioned images of a folder with `metadata.jsonl` (Hugging Face imagefolder layout), bad entries skipped."
     def __init__(self, root, transform:ImageTransform, caption_column:str|None=None, min_side:int=8,
@@ -181,7 +189,7 @@ class ImageFolderSource(Dataset):
             caps = caption_list(rec.get(caption_column) if caption_column else rec)
             if not caps: self.log.bad(name, "missing or empty caption", check=False); continue
             if Path(name).suffix.lower() not in IMAGE_EXTS: self.log.bad(name, f"not an image file (extension {Path(name).suffix!r})", check=False); continue
-            if not (self.root/name).is_file(): self.log.bad(name, "file not found", check=False); continue
+            if not inside(self.root, name, f"{meta}:{n}").is_file(): self.log.bad(name, "file not found", check=False); continue
             self.items.append((name, caps, rec.get('scene')))
         if not self.items: raise BadDataError(f"No usable samples in {self.root}: {self.log.summary()['skipped_files'][:5]}")
         listed = {n for n, _, _ in self.items} | {n for n, _ in self.log.skipped}

@@ -17,14 +17,14 @@ from .shapes import (SIZES, POSITIONS, RELATIONS, SPLITS, HELD_OUT, COLOR_WORDS,
 from functools import partial
 from .config import Config, ConfigError
 from .data import (DataConfig, _png, write_shards, ImageTransform, HFSource, ShardSource, BadImage, BadSampleLog, IMAGE_EXTS,
-                           caption_list, open_image, load_hf, looks_like_path, to_rgb, _is_shards, _parse_options)
+                           caption_list, inside, open_image, load_hf, looks_like_path, to_rgb, _is_shards, _parse_options)
 
 # %% auto #0
 __all__ = ['EDIT_KINDS', 'OBJECT_ATTRS', 'CHANGED', 'EDIT_COLUMNS', 'HELD_OUT_SIDES', 'ShapeEdit', 'edit_instructions',
            'sample_edit', 'ShapesEdits', 'score_edit', 'held_out_side', 'ssim_scores', 'edit_report',
-           'write_edit_folder', 'edit_members', 'write_edit_shards', 'decode_edit_sample', 'EditHFSource',
-           'ShapesEditSource', 'make_edit_dataset', 'edit_dropout_masks', 'prepare_sources', 'edit_sample_grid',
-           'TextToImageMix', 'EditDataConfig', 'EditConfig', 'make_edit_optimizer']
+           'write_edit_folder', 'edit_members', 'write_edit_shards', 'check_listed_files', 'decode_edit_sample',
+           'EditHFSource', 'ShapesEditSource', 'make_edit_dataset', 'edit_dropout_masks', 'prepare_sources',
+           'edit_sample_grid', 'TextToImageMix', 'EditDataConfig', 'EditConfig', 'make_edit_optimizer']
 
 # %% ../nbs/01c_edits.ipynb #6270a086
 EDIT_KINDS = ('recolor', 'reshape', 'move', 'resize', 'add', 'remove')
@@ -254,6 +254,16 @@ def write_edit_shards(dataset, out_dir, prefix:str='shapes-edits', samples_per_s
     return write_shards(dataset, out_dir, prefix, samples_per_shard, image_format, members=edit_members)
 
 # %% ../nbs/01c_edits.ipynb #5d45b6ea
+def check_listed_files(root:Path):
+    "Every `*file_name` value of `root/metadata.jsonl` names a file inside `root` (`inside`): Hugging Face's imagefolder would open one outside it."
+    meta = Path(root)/'metadata.jsonl'
+    if not meta.exists(): return
+    for n, line in enumerate(meta.read_text().splitlines(), 1):
+        try: rec = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError: continue                     # the reader names bad JSON itself
+        for k, v in (rec.items() if isinstance(rec, dict) else ()):
+            if k.endswith('file_name') and isinstance(v, str): inside(root, v, f"{meta}:{n} ({k})")
+
 def decode_edit_sample(key:str, parts:dict, transform:ImageTransform, min_side:int=8, max_pixels:int=64_000_000,
                        columns:tuple=EDIT_COLUMNS) -> tuple[dict|None, str|None, str|None]:
     "(sample, None, note) for a good edit triple of a shard (members `KEY.<column>.png` ...), or (None, reason, None)."
@@ -327,6 +337,7 @@ def make_edit_dataset(source, resolution:int=32, split:str='train', *, original_
     if isinstance(source, (str, Path)) and Path(source).is_dir():
         root = Path(source)
         if not (root/'metadata.jsonl').exists() and (root/split/'metadata.jsonl').exists(): root = root/split
+        check_listed_files(root)
         ds = load_dataset('imagefolder', data_dir=str(root), split='train', cache_dir=cache_dir)
         return EditHFSource(ds, tf, columns, name=str(root), **bad)
     name = str(source).removeprefix('hf:')

@@ -6,7 +6,8 @@ from pathlib import Path
 from PIL import Image
 import argparse
 from fastcore.script import str2bool
-from imagegen.config import run_cli
+from imagegen.config import ConfigError, run_cli
+from imagegen.data import inside
 from imagegen.autoencoders.kl import ImageAutoencoder
 from imagegen.diffusion.upsampler import UPSAMPLER_SAMPLER, UPSAMPLER_STEPS
 import numpy as np
@@ -20,11 +21,18 @@ def read_samples(folder:Path|str) -> list[dict]:
     folder = Path(folder)
     idx = folder/'samples.jsonl'
     if not idx.exists(): raise FileNotFoundError(f"{idx} not found: --samples must be a folder written by scripts/sample.py.")
-    rows = [json.loads(l) for l in idx.read_text().splitlines() if l.strip()]
-    for r in rows:
-        p = folder/r['file_name']
+    rows = []
+    for n, line in enumerate(idx.read_text(encoding='utf-8').splitlines(), 1):
+        if not line.strip(): continue
+        try: r = json.loads(line)
+        except json.JSONDecodeError as e: raise ConfigError(f"{idx}:{n}: not valid JSON ({e.msg}): re-run scripts/sample.py or fix that line.") from None
+        if not isinstance(r, dict) or not isinstance(r.get('file_name'), str):
+            raise ConfigError(f"{idx}:{n}: a row needs a 'file_name' (a sample.py listing): re-run scripts/sample.py or fix that line.")
+        p = inside(folder, r['file_name'], f"{idx}:{n}")
         if not p.exists(): raise FileNotFoundError(f"{p} is listed in {idx} but missing: re-run scripts/sample.py.")
         r['image'] = Image.open(p).convert('RGB')
+        rows.append(r)
+    if not rows: raise ConfigError(f"{idx} lists no samples: re-run scripts/sample.py.")
     return rows
 
 def real_images(rows:list[dict], real:str|None) -> list[Image.Image]|None:
@@ -33,7 +41,11 @@ def real_images(rows:list[dict], real:str|None) -> list[Image.Image]|None:
         if not all(r.get('scene') for r in rows): return None
         size = rows[0]['image'].size[0]
         return [render(Scene.from_dict(r['scene']), size) for r in rows]
-    if real: return [Image.open(p).convert('RGB') for p in sorted(Path(real).glob('*')) if p.suffix.lower() in ('.png', '.jpg', '.jpeg', '.webp')]
+    if real:
+        if not Path(real).is_dir(): raise FileNotFoundError(f"--real {real}: no such folder (give a folder of reference images, or 'scenes').")
+        ims = [Image.open(p).convert('RGB') for p in sorted(Path(real).glob('*')) if p.suffix.lower() in ('.png', '.jpg', '.jpeg', '.webp')]
+        if len(ims) < 2: raise ConfigError(f"--real {real}: {len(ims)} image(s) (.png, .jpg, .webp); FID and KID need at least 2.")
+        return ims
     return None
 
 def edit_metrics(rows:list[dict], first_stage=None) -> dict:
