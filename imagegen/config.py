@@ -30,9 +30,11 @@ def _coerce(val, hint, where:str):
     if hint is Any: return val
     if origin in (typing.Union, types.UnionType):
         if val is None or (isinstance(val, str) and val.lower() in ('none', 'null') and type(None) in args): return None
-        for a in (a for a in args if a is not type(None)):
+        kinds = [a for a in args if a is not type(None)]
+        for a in kinds:
             try: return _coerce(val, a, where)
-            except ConfigError: pass
+            except ConfigError:
+                if len(kinds) == 1: raise          # one kind (X|None): its own message says what is wrong
         raise ConfigError(f"{where}: cannot read {val!r} as {hint}.")
     if val is None: raise ConfigError(f"{where}: None is not allowed; give a {getattr(hint, '__name__', hint)}.")
     if hint is bool:
@@ -57,10 +59,19 @@ def _coerce(val, hint, where:str):
         items = [_coerce(v.strip() if isinstance(v, str) else v, args[0], where) if args else v for v in val]
         return tuple(items) if (origin or hint) is tuple else items
     if origin is dict or hint is dict:
-        if isinstance(val, str):  # 'phase=pretrain,res=32' (command line) or a YAML/JSON mapping
-            val = yaml.safe_load(val) if val.strip().startswith('{') else dict(kv.split('=', 1) for kv in val.split(',') if '=' in kv)
+        numeric = len(args) == 2 and args[1] in (int, float)
+        if isinstance(val, str):  # 'phase=pretrain,res=32' (command line) or a YAML/JSON mapping; for numbers a bare name means 1
+            if val.strip().startswith('{'):
+                try: val = yaml.safe_load(val)
+                except yaml.YAMLError as e: raise ConfigError(f"{where}: {val!r} is not a valid mapping ({e.problem}).") from None
+            else:
+                pieces = [kv.strip() for kv in val.split(',')]
+                bad = [kv for kv in pieces if not kv or ('=' not in kv and not numeric) or kv.startswith('=')]
+                if bad: raise ConfigError(f"{where}: cannot read {bad[0]!r} of {val!r}: give key=value pairs separated by commas"
+                                          + (" (a bare name means 1)." if numeric else "."))
+                val = dict((kv.split('=', 1) if '=' in kv else (kv, 1)) for kv in pieces)
         if not isinstance(val, dict): raise ConfigError(f"{where}: expected a mapping, got {val!r}.")
-        return {str(k): v for k, v in val.items()}
+        return {str(k): _coerce(v, args[1], f"{where}[{k!r}]") if len(args) == 2 else v for k, v in val.items()}
     return val
 
 # %% ../nbs/00b_config.ipynb #07fa1182

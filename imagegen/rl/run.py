@@ -25,7 +25,7 @@ __all__ = ['GRPORunConfig', 'GRPOPolicy']
 class GRPORunConfig(Config):
     "The model section of a GRPO run: the checkpoint it fine-tunes, the rewards, the prompt stream and the rollouts' sampling."
     pretrained_model_name_or_path: str|None = None  # the model to fine-tune: the model/ folder of a train_gpt.py, train_ldm.py or train_edit.py run, or a HybridPipeline folder
-    reward: dict|None = None                  # reward weights, e.g. 'oracle=1,clip=0.5' (names: imagegen.rl.rewards.REWARDS); None: oracle alone
+    reward: dict[str, float]|None = None      # reward weights, e.g. 'oracle=1,clip=0.5' or 'ocr' (weight 1; names: imagegen.rl.rewards.REWARDS); None: oracle alone
     graded: bool = True                       # oracle reward: partial credit per attribute instead of all-or-nothing
     clip_model: str|None = None               # the 'clip' and 'aesthetic' rewards' CLIP model (a folder or Hub id in transformers format)
     aesthetic_head: str|None = None           # the 'aesthetic' reward's head: a state dict of LAION's layout (sac+logos+ava1-l14-linearMSE.pth)
@@ -52,7 +52,7 @@ class GRPORunConfig(Config):
     untrained_eta: float|None = None          # diffusion, with train_steps: DDIM's noise scale in the steps left untrained (None: eta; 0: deterministic, MixGRPO's ODE steps)
     num_validation_prompts: int = 0           # prompts (an editor's: edits with their source images) held out of the stream and scored with the run's reward at every train.eval_steps (0: none)
     stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
-    decoder_reward: dict|None = None          # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
+    decoder_reward: dict[str, float]|None = None   # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
     decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
     decoder_guidance_scale: float|None = None # hybrid: the decoder's text guidance in rollouts (None: 1, the upsampler's default)
     decoder_lr_scale: float|None = None       # hybrid, both stages: the decoder's learning rate as a multiple of the run's (None: 1)
@@ -65,6 +65,7 @@ class GRPORunConfig(Config):
             if getattr(self, f) is None: continue
             try: setattr(self, f, {str(k): float(v) for k, v in getattr(self, f).items()})
             except (TypeError, ValueError, AttributeError): raise ConfigError(f"GRPORunConfig.{f}={getattr(self, f)!r}: give name=weight pairs, e.g. 'oracle=1,clip=0.5'.") from None
+            if not getattr(self, f): raise ConfigError(f"GRPORunConfig.{f}={{}}: no reward named; give name=weight pairs, e.g. 'oracle=1,clip=0.5' (or leave it unset: the oracle).")
         if self.stage is not None and self.stage not in STAGES: raise ConfigError(f"GRPORunConfig.stage={self.stage!r}: choose one of {', '.join(STAGES)}.")
         if self.ratio_on not in ('guided', 'conditional'): raise ConfigError(f"GRPORunConfig.ratio_on={self.ratio_on!r}: 'guided' or 'conditional'.")
         if self.prompt_level not in (1, 2): raise ConfigError(f"GRPORunConfig.prompt_level={self.prompt_level}: Shapes scenes have 1 or 2 objects.")
