@@ -3,7 +3,7 @@
 from __future__ import annotations
 import argparse, importlib, json, os, shutil
 from pathlib import Path
-from imagegen.config import run_cli
+from imagegen.config import ConfigError, run_cli
 
 def class_by_name(name:str):
     "The class named `module.QualName`."
@@ -21,7 +21,8 @@ def export_checkpoint(run:str|Path, output_dir:str|Path, step:int|str|None='late
     from imagegen.training.checkpoints import check_checkpoint, ema_tensors, find_checkpoint, load_trained_weights, write_atomic
     from imagegen.training.loop import INITIAL_MODEL
     run, out = Path(run), Path(output_dir)
-    if out.exists() and any(out.iterdir()): raise FileExistsError(f"{out} exists and is not empty: choose a new --output_dir (nothing is overwritten).")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--output_dir {out} exists and is not an empty folder: choose a new --output_dir (nothing is overwritten).")
     info_file, initial = run/'run_info.json', run/INITIAL_MODEL
     if not info_file.exists(): raise FileNotFoundError(f"{info_file} not found: --run must be the --output_dir of a training run.")
     if not initial.is_dir(): raise FileNotFoundError(f"{initial} not found: the run's task cannot reload itself, or the run predates export support.")
@@ -43,17 +44,29 @@ def export_checkpoint(run:str|Path, output_dir:str|Path, step:int|str|None='late
     os.replace(tmp, out)
     return out
 
-def _bool_or_auto(v:str): return 'auto' if v == 'auto' else v.lower() in ('1', 'true', 'yes', 'on')
+def _bool_or_auto(v:str):
+    "'auto', or a yes/no word; anything else is refused (argparse names the flag)."
+    v = v.strip().lower()
+    if v == 'auto': return 'auto'
+    if v in ('1', 'true', 'yes', 'on'): return True
+    if v in ('0', 'false', 'no', 'off'): return False
+    raise argparse.ArgumentTypeError(f"{v!r}: give true, false or auto")
+
+def _step(v:str):
+    "'latest' or a checkpoint step number >= 0."
+    if v == 'latest': return v
+    if not v.isdigit(): raise argparse.ArgumentTypeError(f"{v!r}: give a step number (the digits of a checkpoint's step_NNNNNNNN) or 'latest'")
+    return int(v)
 
 def main(argv:list[str]|None=None) -> Path:
     "Export a training checkpoint (raw or EMA weights) as a model folder; see --help."
-    p = argparse.ArgumentParser(prog='export_checkpoint.py', description=main.__doc__)
+    p = argparse.ArgumentParser(prog='export_checkpoint.py', description=main.__doc__, allow_abbrev=False)   # --out is no --output_dir
     p.add_argument('--run', required=True, help="the training run's --output_dir (holds run_info.json, initial_model/, checkpoints/)")
-    p.add_argument('--step', default='latest', help="checkpoint step number, or 'latest' (default)")
+    p.add_argument('--step', default='latest', type=_step, help="checkpoint step number, or 'latest' (default)")
     p.add_argument('--ema', default='auto', type=_bool_or_auto, help="true: EMA weights; false: raw weights; auto (default): EMA when the run kept one")
     p.add_argument('--output_dir', required=True, help='new folder for the model (must not exist or be empty)')
     a = p.parse_args(argv)
-    out = export_checkpoint(a.run, a.output_dir, None if a.step == 'latest' else int(a.step), a.ema)
+    out = export_checkpoint(a.run, a.output_dir, None if a.step == 'latest' else a.step, a.ema)
     print(f"{out}: {json.loads((out/'run_info.json').read_text())['export']}")
     return out
 
