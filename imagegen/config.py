@@ -278,6 +278,9 @@ def user_os_error(e:BaseException) -> str|None:
     if isinstance(e, UnicodeDecodeError): return f"a file is not UTF-8 text ({e.reason} at byte {e.start}): give a plain-text file."
     if isinstance(e, PermissionError): return f"{where or 'a path'}: permission denied. Choose a folder you can write to (or read the file as its owner)."
     if isinstance(e, (IsADirectoryError, NotADirectoryError, FileExistsError)): return f"{where or 'a path'}: {e.strerror or e}. Give a path of the kind the flag asks for (a file or a folder)."
+    text = str(e)
+    if isinstance(e, OSError) and not e.errno and ('huggingface.co' in text or "couldn't connect" in text or 'offline mode' in text.lower()):
+        return f"the Hugging Face Hub cannot be reached from here ({text.splitlines()[0][:300]}). Download the model or dataset where the Hub is reachable and pass its local folder, or set HF_HUB_OFFLINE=1 with a filled cache."
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = '?'
         for d in (where, Path(where).parent if where else None, '.'):

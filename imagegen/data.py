@@ -509,9 +509,10 @@ def _is_shards(source) -> bool:
 
 # %% ../nbs/01a_data.ipynb #d74b02d2
 def looks_like_path(s:str) -> bool:
-    "Whether `s` reads as a local path rather than a Hub id: absolute, `./`, `../` or `~`, or under a local folder that exists."
+    """Whether `s` reads as a local path rather than a Hub id: absolute, `./`, `../` or `~`, more than one `/` (a Hub id is
+    `name` or `org/name`), a backslash or a trailing `/`, or under a local folder that exists."""
     s = str(s)
-    if s.startswith(('/', './', '../', '~')) or s in ('.', '..'): return True
+    if s.startswith(('/', './', '../', '~')) or s in ('.', '..') or s.count('/') > 1 or '\\' in s or s.endswith('/'): return True
     head = s.split('/')[0]
     return '/' in s and Path(head).is_dir()
 

@@ -17,6 +17,7 @@ from diffusers import VQModel
 from fastcore.basics import patch
 from .kl import _images
 from ..config import Config, ConfigError
+from ..data import looks_like_path
 from ..grids import to_pil
 
 # %% auto #0
@@ -507,6 +508,8 @@ def from_pretrained(cls:VQTokenizer, name_or_path:str|Path, subfolder:str|None=N
             raise FileNotFoundError(f"{p} holds {found}, not a VQModel." + (_vq_hint(p) or " Pass the folder that holds the VQModel's "
                                     "config.json (a training run's model/ folder, or subfolder='vqvae' of a pipeline)."))
         cfg = json.loads((p/'config.json').read_text())
+    elif looks_like_path(str(name_or_path)):
+        raise FileNotFoundError(f"{name_or_path} does not exist (a local path, not a Hub id: checked before any download).")
     else: cfg = VQModel.load_config(str(name_or_path), **hub)
     found = cfg.get('_class_name')
     if found != 'VQModel':
