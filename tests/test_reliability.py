@@ -46,6 +46,9 @@ def test_damaged_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path):
     (ck/'step_00000006'/'trainer_state.json').write_text('{"step": 6, "epo')
     with pytest.warns(UserWarning, match='trainer_state.json is damaged'):
         assert train(Regression(), data(), c.override(max_steps=8))['resumed_from'].endswith('step_00000004')
+    (ck/'step_00000008'/'model.safetensors').unlink()                      # the weights gone from the newest: the one before it
+    with pytest.warns(UserWarning, match=r'step_00000008 has no model weights'):
+        assert train(Regression(), data(), c.override(max_steps=10))['resumed_from'].endswith('step_00000006')
 
 
 def test_latest_pointing_at_nothing_refuses_to_restart_from_zero(tmp_path):

@@ -108,6 +108,8 @@ def check_checkpoint(ckpt:str|Path) -> dict:
     except FileNotFoundError: raise CheckpointError(f"{ckpt} has no trainer_state.json: an incomplete checkpoint.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{st} is damaged ({e}).") from None
     if not isinstance(state, dict) or not isinstance(state.get('step'), int): raise CheckpointError(f"{st} is damaged (no step).")
+    if not any(ckpt.glob('model*.safetensors')) and not any(ckpt.glob('pytorch_model*.bin')):
+        raise CheckpointError(f"{ckpt} has no model weights (model.safetensors): an incomplete or emptied checkpoint.")
     for f in sorted(ckpt.iterdir()):
         if f.name.startswith('custom_checkpoint_'):
             raise CheckpointError(f"{f} is a pickled object, which accelerate would load with weights_only=False: code planted in it "
