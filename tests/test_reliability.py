@@ -195,6 +195,24 @@ def test_unwritable_or_full_output_dir_is_refused_before_training(tmp_path, monk
     assert not (tmp_path/'run'/'.lock').exists() and not (tmp_path/'run'/'checkpoints').exists()
 
 
+def test_a_full_disk_while_checkpointing_is_one_message_and_the_run_resumes(tmp_path, monkeypatch):
+    "torch's serializer reports a full disk as a RuntimeError ('file write failed'): the loop names it, keeps what it wrote, and the same command resumes."
+    import imagegen.training.loop as loop
+    from imagegen.training.checkpoints import DiskFullError
+    real, calls = loop.save_checkpoint, []
+    def full_at_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2: raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: PytorchStreamWriter failed writing file data/0: file write failed")
+        return real(*a, **kw)
+    monkeypatch.setattr(loop, 'save_checkpoint', full_at_second)
+    c = cfg(tmp_path/'run', checkpoint_every=2, max_steps=6)
+    with pytest.raises(DiskFullError, match=r"step 4: no space left for a checkpoint in .*GiB free\). The checkpoints written before are intact \(latest: .*step_00000002\)"):
+        train(Regression(), data(), c)
+    monkeypatch.setattr(loop, 'save_checkpoint', real)
+    res = train(Regression(), data(), c)
+    assert res['resumed_from'].endswith('step_00000002') and res['step'] == 6
+
+
 def shapes_folder(root, n=20):
     from imagegen.data import write_imagefolder
     from imagegen.shapes import ShapesDataset

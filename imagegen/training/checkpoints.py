@@ -12,9 +12,9 @@ from ..config import UserError
 # %% auto #0
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
            'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
-           'check_checkpoint', 'usable_checkpoint', 'ema_tensors', 'ema_parameters', 'ema_targets', 'RunLocked',
-           'holder_gone', 'acquire_run_lock', 'release_run_lock', 'Preempted', 'find_checkpoint',
-           'load_trained_weights']
+           'DiskFullError', 'disk_full', 'free_gib', 'check_checkpoint', 'usable_checkpoint', 'ema_tensors',
+           'ema_parameters', 'ema_targets', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'release_run_lock',
+           'Preempted', 'find_checkpoint', 'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -91,6 +91,23 @@ _TORCH_FILES = ('.bin', '.pt', '.pth', '.pkl')
 
 class CheckpointError(UserError, RuntimeError):
     "A checkpoint that cannot be used safely or is damaged; the message names the checkpoint and the file."
+
+class DiskFullError(UserError, OSError):
+    "The disk filled while writing; the message says how much is free and what was kept."
+
+def disk_full(e:BaseException) -> bool:
+    "Whether `e` is a write that failed for lack of space: ENOSPC/EDQUOT, or torch's serializer's \"file write failed\" (a RuntimeError)."
+    import errno
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+           (isinstance(e, RuntimeError) and ('file write failed' in str(e) or 'No space left' in str(e)))
+
+def free_gib(path:str|Path) -> str:
+    "Free space on the disk of `path` (or of its nearest existing parent), as 'N.NN GiB'."
+    import shutil
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent: p = p.parent
+    try: return f"{shutil.disk_usage(p).free / 2**30:.2f} GiB"
+    except OSError: return 'unknown space'
 
 def _torch_load_safe(f:Path):
     "`torch.load` with `weights_only=True` (no code runs), allowing only the numpy types accelerate's random states need."

@@ -22,7 +22,8 @@ from ..config import Config, ConfigError, Flag, UserError, run_yaml
 from ..diagnostics import destroy_process_group_at_exit
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
-                                          CheckpointError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, ema_parameters, ema_targets, ema_tensors,
+                                          CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
+                                          ema_targets, ema_tensors, free_gib,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
                                           write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
@@ -627,8 +628,13 @@ def _checkpoint(self:Trainer) -> Path:
         raise NonFiniteLossError(f"step {self.step}: parameter {bad} is not finite; no checkpoint written. The last good "
                                  f"checkpoint is {latest_checkpoint(self.ckpt_dir)}.")
     tensors = {EMA_FILE: {str(i): t for i, t in enumerate(self.ema.shadow_params)}} if self.ema else None
-    self.last_ckpt = save_checkpoint(self.acc, self.ckpt_dir, self.step, self._trainer_state(), self.info, self.cfg.checkpoints_total_limit,
-                                     tensors=tensors)
+    try: self.last_ckpt = save_checkpoint(self.acc, self.ckpt_dir, self.step, self._trainer_state(), self.info, self.cfg.checkpoints_total_limit,
+                                          tensors=tensors)
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e): raise
+        raise DiskFullError(f"step {self.step}: no space left for a checkpoint in {self.ckpt_dir} ({free_gib(self.ckpt_dir)} free). The "
+                            f"checkpoints written before are intact (latest: {latest_checkpoint(self.ckpt_dir)}): free space, or lower "
+                            "checkpoints_total_limit, and run the same command to resume.") from None
     return self.last_ckpt
 
 # %% ../../nbs/02c_loop.ipynb #5b178bf0
@@ -663,6 +669,10 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
             else:
                 from safetensors.torch import save_file
                 save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path/'model.safetensors'))
+        except (OSError, RuntimeError) as e:
+            if not disk_full(e): raise
+            raise DiskFullError(f"no space left to save the model in {path} ({free_gib(path)} free). The run's checkpoints are intact "
+                                f"(latest: {latest_checkpoint(self.ckpt_dir)}): free space and export it with scripts/export_checkpoint.py.") from None
         finally:
             if self.ema: self.ema.restore(ema_parameters(model))
         if getattr(self, 'info', None): write_atomic(path/'run_info.json', json.dumps(self.info | {'step': self.step}, indent=1))  # what made these weights
