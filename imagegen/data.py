@@ -664,13 +664,17 @@ def shapes_prompts(n:int=8, split:str='test', level:int=1) -> list[str]:
 def collect_captions(dl, n_batches:int=50, seed:int=0) -> list[str]:
     "Non-empty captions of the first `n_batches` batches (the corpus for a tiny tokenizer): the same in every run, and rank 0's on every rank."
     from accelerate.utils import broadcast_object_list
-    caps = []
+    caps, seen = [], 0
     with torch.random.fork_rng(devices=[]):  # the loader's shuffle, caption choice and dropout draw from torch's global RNG
         torch.manual_seed(seed)
         for i, b in enumerate(dl):
             if i >= n_batches: break
-            caps += [c for c in b['caption'] if c]
-    if not caps: raise ValueError("No captions in the first batches of the data loader: a 'tiny' text encoder needs captioned data.")
+            caps += [c for c in b['caption'] if c]; seen += 1
+    if not seen:
+        n = len(dl.dataset) if hasattr(getattr(dl, 'dataset', None), '__len__') else '?'
+        raise BadDataError(f"the data loader gave no batch ({n} samples for a batch of {getattr(dl, 'batch_size', '?')}; full batches only): "
+                           "lower --train_batch_size or add data.")
+    if not caps: raise BadDataError("No captions in the first batches of the data loader: a 'tiny' text encoder needs captioned data.")
     return broadcast_object_list([caps])[0]
 
 # %% ../nbs/01a_data.ipynb #e8dd268c

@@ -3,7 +3,7 @@
 from __future__ import annotations
 import json, time
 from pathlib import Path
-from imagegen.config import ConfigError, run_script
+from imagegen.config import ConfigError, check_flag, run_script
 from imagegen.shapes import ShapesDataset, SPLITS
 from imagegen.data import write_imagefolder, write_shards, shard_pattern
 from imagegen.edits import ShapesEdits, write_edit_folder, write_edit_shards
@@ -15,6 +15,12 @@ def make_shapes(out:str, resolution:int=32, level:int|str=1, n_train:int=10_000,
     if task not in ('caption', 'edit'): raise ConfigError(f"--task must be caption (captioned images) or edit (edit triples), got {task!r}.")
     if str(level) not in ('1', '2', 'mixed'): raise ConfigError(f"--level must be 1 (one object), 2 (two objects with a relation) or mixed (both in turn), got {level!r}.")
     level = 'mixed' if str(level) == 'mixed' else int(level)
+    for flag, v, lo in (('resolution', resolution, 8), ('n_train', n_train, 0), ('n_validation', n_validation, 0), ('n_test', n_test, 0),
+                        ('samples_per_shard', samples_per_shard, 1), ('seed', seed, 0)):
+        check_flag(flag, v, lo)
+    if not n_train + n_validation + n_test: raise ConfigError("--n_train, --n_validation and --n_test are all 0: nothing to write.")
+    if image_format not in ('png', 'jpg'): raise ConfigError(f"--image_format must be png or jpg, got {image_format!r}.")
+    if Path(out).exists() and not Path(out).is_dir(): raise ConfigError(f"--out {out} is a file: give a folder (it is created if missing).")
     out, info = Path(out), {'task': task, 'resolution': resolution, 'level': level if task == 'caption' else None, 'seed': seed, 'splits': {}}
     for split, n in zip(SPLITS, (n_train, n_validation, n_test)):
         if not n: continue

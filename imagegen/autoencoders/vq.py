@@ -515,7 +515,7 @@ def from_pretrained(cls:VQTokenizer, name_or_path:str|Path, subfolder:str|None=N
     if found != 'VQModel':
         other = " For a KL autoencoder use imagegen.autoencoders.kl.ImageAutoencoder." if found == 'AutoencoderKL' else ""
         where = f"{name_or_path}" + (f" (subfolder {subfolder!r})" if subfolder else "")
-        raise ValueError(f"{where}: its config names the class {found!r}, not 'VQModel'. VQTokenizer needs a diffusers VQModel "
+        raise ConfigError(f"{where}: its config names the class {found!r}, not 'VQModel'. VQTokenizer needs a diffusers VQModel "
                          f"(e.g. a folder written by scripts/train_vqvae.py, or subfolder='vqvae' of an LDM pipeline).{other}")
     return cls(VQModel.from_pretrained(str(name_or_path), torch_dtype=torch_dtype, **hub))
 

@@ -388,7 +388,7 @@ def _load_glide_parts(path:str|Path, config_class, train_text_encoder:bool|None,
         if not (p/'unet').is_dir(): raise FileNotFoundError(f"{p} has no unet/ folder: pass a folder written by GlideDiffusion.save_pretrained.")
         kind = json.loads((p/'text_encoder'/'config.json').read_text()).get('model_type') if (p/'text_encoder'/'config.json').exists() else None
         if kind != GlideTextConfig.model_type:
-            raise ValueError(f"{p}/text_encoder is a {kind!r} model, not GLIDE's text transformer ('glide_text'): "
+            raise ConfigError(f"{p}/text_encoder is a {kind!r} model, not GLIDE's text transformer ('glide_text'): "
                              "this folder was not written by GlideDiffusion (a latent diffusion folder loads with LatentDiffusion.from_pretrained).")
     meta = json.loads((p/GLIDE_FILE).read_text()) if (p/GLIDE_FILE).exists() else {}
     cfg = config_class.from_dict(meta['config'], source=str(p/GLIDE_FILE)) if meta.get('config') else None
