@@ -24,20 +24,30 @@ def to_pil(images, value_range:tuple[float, float]=(0, 1)) -> list[Image.Image]:
         return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(x))
     return [im if isinstance(im, Image.Image) else to_pil(im[None], value_range)[0] for im in images]
 
-def _wrap(caption:str, width_px:int, font) -> list[str]:
-    "Greedy word wrap of `caption` to lines no wider than `width_px` in `font` (a long word keeps its own line)."
+def _wrap(caption:str, width_px:int, font, max_lines:int|None=None) -> list[str]:
+    """Greedy word wrap of `caption` to lines no wider than `width_px` in `font` (a long word keeps its own line). With
+    `max_lines`, only as much text as that many lines can hold is read (a glyph is at least a pixel wide), and wrapping
+    stops one line after them: the work grows with what is drawn, not with the caption."""
+    caption = str(caption)
+    if max_lines: caption = caption[:max_lines * (width_px + 1) + 1]
     lines = []
-    for word in str(caption).split():
+    for word in caption.split():
         if lines and font.getlength(lines[-1] + ' ' + word) <= width_px: lines[-1] += ' ' + word
-        else: lines.append(word)
+        else:
+            if max_lines and len(lines) > max_lines: break
+            lines.append(word)
     return lines or ['']
 
 def _fit(lines:list[str], max_lines:int, width_px:int, font) -> list[str]:
     "At most `max_lines` lines, the last one ending in an ellipsis when text was cut."
     if len(lines) <= max_lines: return lines
-    last = ' '.join(lines[max_lines - 1:])
-    while last and font.getlength(last + '…') > width_px: last = last[:-1]
-    return lines[:max_lines - 1] + [last.rstrip() + '…']
+    last = ' '.join(lines[max_lines - 1:])[:width_px + 1]
+    lo, hi = 0, len(last)                      # the longest prefix that fits with the ellipsis: a binary search, not one cut per character
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if font.getlength(last[:mid] + '…') <= width_px: lo = mid
+        else: hi = mid - 1
+    return lines[:max_lines - 1] + [last[:lo].rstrip() + '…']
 
 # %% ../nbs/00a_grids.ipynb #870c25ff
 def make_grid(images, captions:Sequence[str]|None=None, ncols:int|None=None, pad:int=2, cell:int|None=None,
@@ -52,7 +62,7 @@ def make_grid(images, captions:Sequence[str]|None=None, ncols:int|None=None, pad
     ncols = ncols or math.ceil(math.sqrt(len(ims)))
     nrows = math.ceil(len(ims) / ncols)
     font = ImageFont.load_default()
-    lines = [_fit(_wrap(c, w, font), max_lines, w, font) for c in captions] if captions is not None else None
+    lines = [_fit(_wrap(c, w, font, max_lines), max_lines, w, font) for c in captions] if captions is not None else None
     cap_h = (max(map(len, lines)) * line_px + pad) if lines else 0
     grid = Image.new('RGB', (ncols * (w + pad) + pad, nrows * (h + cap_h + pad) + pad), 'white')
     draw = ImageDraw.Draw(grid)
