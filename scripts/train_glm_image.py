@@ -5,6 +5,7 @@ import dataclasses
 from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.data import DATA_FLAGS, DataConfig, is_shapes, shapes_prompts
 from imagegen.glm.task import GlmConfig, GlmDataConfig, GlmImage
+from imagegen.training.checkpoints import check_output_dir
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/glm', lr=1e-4, max_steps=5000, batch_size=8, warmup_steps=100, weight_decay=0.01,
@@ -47,6 +48,7 @@ def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:GlmDataConfig) -> GlmI
         images = [x['pixel_values'] for x in samples]
         info = model.fit_first_stages(images)
         if acc.is_main_process: print(f"first stages on {len(images)} training images: {info}", flush=True)
+    if acc.is_main_process: check_output_dir(tcfg.output_dir)   # writable and free before a cache or anything else is written
     if dcfg.cache_latents and not getattr(dl, 'self_sharded', False):   # the ranks split the encoding into an on-disk cache, then each reads all of it
         model.pipe.to(acc.device)
         ds = model.cache_first_stages(data.for_cache(ds), cache_dir=dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', accelerator=acc,

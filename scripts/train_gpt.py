@@ -6,6 +6,7 @@ from pathlib import Path
 from imagegen.ar.task import GPTConfig, GPTDataConfig, TextToImageGPT, vqvae_source
 from imagegen.config import Flag, parse_run, run_cli
 from imagegen.data import DATA_FLAGS, collect_captions, is_shapes, shapes_prompts
+from imagegen.training.checkpoints import check_output_dir
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/gpt', lr=3e-4, adam_betas=(0.9, 0.95), weight_decay=0.05, lr_scheduler='cosine',
@@ -50,6 +51,7 @@ def train_gpt(tcfg:TrainConfig, cfg:GPTConfig, dcfg:GPTDataConfig) -> TextToImag
     corpus = collect_captions(dl, seed=tcfg.seed) if cfg.text_encoder == 'tiny' else None
     prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) else None  # --validation_prompts win (the loop sets them)
     model = TextToImageGPT.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
+    if acc.is_main_process: check_output_dir(tcfg.output_dir)   # writable and free before the cache is written into it
     if dcfg.cache_tokens and not getattr(dl, 'self_sharded', False):  # the ranks split the tokenizing into an on-disk cache
         ds = cache_tokens(model.tokenizer.to(acc.device), dcfg.for_cache(ds), progress=acc.is_local_main_process, accelerator=acc,
                           cache_dir=dcfg.encoded_cache or f'{tcfg.output_dir}/encoded', fingerprint=dcfg.fingerprint(cfg.resolution))

@@ -6,6 +6,7 @@ from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.rl.grpo import GRPOConfig
 from imagegen.rl.run import GRPORunConfig
 from imagegen.models import family_of
+from imagegen.training.checkpoints import check_output_dir
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/grpo', lr=3e-5, lr_scheduler='constant', warmup_steps=0, max_steps=200,
@@ -58,6 +59,7 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     task.model.sample_prompts = task.sample_prompts = prompts
     if task.editor: task.model.sample_sources = sources
     out = Path(tcfg.output_dir)
+    if acc.is_main_process: check_output_dir(out)         # writable and free before the first grid is written
     before = out/'samples_before.png'
     if acc.is_main_process and not before.exists():
         first = policy_images(task, prompts, sources)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from imagegen.config import ConfigError, Flag, parse_run, run_cli
 from imagegen.data import DATA_FLAGS, collect_captions, is_shapes, shapes_prompts
 from imagegen.diffusion.ldm import LatentDiffusion, LDMConfig, LDMDataConfig
+from imagegen.training.checkpoints import check_output_dir
 from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/ldm', lr=1e-4, max_steps=10000, batch_size=32, warmup_steps=100, ema_decay=0.999,
@@ -27,6 +28,7 @@ def train_ldm(tcfg:TrainConfig, cfg:LDMConfig, dcfg:LDMDataConfig) -> LatentDiff
     prompts = shapes_prompts(tcfg.n_samples) if is_shapes(dcfg.dataset) else None  # --validation_prompts win (the loop sets them)
     model = LatentDiffusion.from_config(cfg, corpus=corpus, seed=tcfg.seed, sample_prompts=prompts)
     cache_dir = dcfg.encoded_cache or f'{tcfg.output_dir}/encoded'   # latents and text embeddings, shared by ranks and runs
+    if acc.is_main_process and (dcfg.cache_latents or dcfg.cache_text_embeddings): check_output_dir(tcfg.output_dir)   # before the cache is written
     if dcfg.cache_latents:  # the ranks split the encoding into an on-disk cache, then each reads all of it (the loader shards it)
         ds = cache_latents(model.autoencoder.to(acc.device), dcfg.for_cache(ds), progress=acc.is_local_main_process, mode=dcfg.latent_mode,
                            cache_dir=cache_dir, accelerator=acc,

@@ -13,6 +13,9 @@ def folders(tmp_path_factory):
     d = tmp_path_factory.mktemp('inputs')
     AutoencoderKL(**tiny_vae_config(base_channels=16)).save_pretrained(d/'kl')
     LatentDiffusion.from_config(LDMConfig.preset('tiny'), corpus=['a red circle']).save_pretrained(d/'ldm')
+    from diffusers import VQModel
+    from imagegen.autoencoders.vq import vq_model_config
+    VQModel(**vq_model_config(codebook_size=64, code_dim=3)).save_pretrained(d/'vq')
     (d/'a_file').write_text('x')
     (d/'latin1.txt').write_bytes('caf\xe9'.encode('latin-1'))
     (d/'samples').mkdir(); (d/'samples'/'samples.jsonl').write_text('{"file_name": ')
@@ -34,6 +37,8 @@ CASES = [   # (script, flags, what the one line must say); {d}: the folders abov
     ('train_gpt.py', ['--output_dir', '{o}', '--vqvae', '{d}/kl', '--dataset', 'shapes:n=64'], "names the class 'AutoencoderKL', not 'VQModel'"),
     ('train_gpt.py', ['--output_dir', '{o}', '--vqvae', '/no/such/vqvae', '--dataset', 'shapes:n=64'], 'checked before any download'),
     ('train_gpt.py', ['--output_dir', '{o}', '--dataset', 'shapes:n=8', '--train_batch_size', '32'], 'the data loader gave no batch'),
+    ('train_gpt.py', ['--output_dir', '{d}/a_file/run', '--vqvae', '{d}/vq', '--dataset', 'shapes:n=64'], 'cannot write in output_dir'),
+    ('train_grpo.py', ['--output_dir', '{d}/a_file/run', '--pretrained_model_name_or_path', '{d}/ldm'], 'cannot write in output_dir'),
     ('train_glide.py', ['--output_dir', '{o}', '--pretrained_model_name_or_path', '{d}/ldm', '--dataset', 'shapes:n=64'], "not GLIDE's text transformer"),
     ('train_ldm.py', ['--output_dir', '{o}', '--train_data_dir', 'data/shapes/train'], 'does not exist'),
     ('train_ldm.py', ['--output_dir', '{o}', '--tags', 'notakv'], "cannot read 'notakv'"),

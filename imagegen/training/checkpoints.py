@@ -13,8 +13,8 @@ from ..config import UserError
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
            'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
            'DiskFullError', 'disk_full', 'free_gib', 'check_checkpoint', 'usable_checkpoint', 'ema_tensors',
-           'ema_parameters', 'ema_targets', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'release_run_lock',
-           'Preempted', 'find_checkpoint', 'load_trained_weights']
+           'ema_parameters', 'ema_targets', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir',
+           'release_run_lock', 'Preempted', 'find_checkpoint', 'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -235,6 +235,21 @@ def acquire_run_lock(folder:str|Path) -> Path:
             warnings.warn(f"{folder}: taking over the lock of a run that has ended ({h or 'unreadable lock'}).")
             path.unlink(missing_ok=True)
     raise RunLocked(f"could not take {path}: other runs are starting in {folder} at the same time.")
+
+def check_output_dir(folder:str|Path) -> Path:
+    "What a script checks before it writes anything into a run folder (caches, before-grids): it can be created and written, and no live run holds it (`RunLocked`)."
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder/f'.write-test-{os.getpid()}'
+        probe.write_bytes(b''); probe.unlink()
+    except OSError as e: raise UserError(f"cannot write in output_dir {folder} ({e.strerror or e}): choose a writable folder.") from None
+    try: h = json.loads((folder/LOCK_FILE).read_text())
+    except (OSError, json.JSONDecodeError): h = None
+    if h and not holder_gone(h):
+        raise RunLocked(f"{folder} is in use by another run (host {h.get('host')}, pid {h.get('pid')}, since {h.get('started')}). Use another "
+                        f"output_dir or stop that run; if that run is gone and cannot be seen from here, delete {folder/LOCK_FILE}.")
+    return folder
 
 def release_run_lock(path:str|Path):
     "Remove the lock at `path` if this process holds it."
