@@ -16,14 +16,14 @@ from .config import Config, ConfigError, Flag, UserError
 from .shapes import ShapesDataset, ShapesTextDataset, flip_caption, flip_scene
 
 # %% auto #0
-__all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'DATA_FLAGS', 'to_rgb', 'BadImage',
-           'open_image', 'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values', 'ImageTransform',
-           'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'inside', 'ImageFolderSource',
-           'write_imagefolder', 'caption_members', 'write_shards', 'shard_pattern', 'expand_urls', 'tar_samples',
-           'decode_sample', 'dist_info', 'ShardSource', 'load_hf', 'HFSource', 'looks_like_path', 'make_dataset',
-           'CaptionCollator', 'make_dataloader', 'DataConfig', 'is_shapes', 'shapes_prompts', 'collect_captions',
-           'EncodedDataset', 'encode_dataset', 'weights_digest', 'DiskEncodedDataset', 'encode_dataset_cached',
-           'BothOrientations', 'RandomFlipView']
+__all__ = ['log', 'CAPTION_KEYS', 'IMAGE_EXTS', 'SHARDS_COUNTED', 'IMAGE_COLUMNS', 'SPLIT_NAMES', 'collate', 'DATA_FLAGS',
+           'to_rgb', 'BadImage', 'open_image', 'resize_shorter', 'center_crop', 'random_crop', 'to_pixel_values',
+           'ImageTransform', 'BadDataError', 'BadSampleLog', 'caption_list', 'ShapesSource', 'inside',
+           'ImageFolderSource', 'write_imagefolder', 'caption_members', 'write_shards', 'shard_pattern', 'expand_urls',
+           'tar_samples', 'decode_sample', 'dist_info', 'count_shard_samples', 'ShardSource', 'load_hf', 'HFSource',
+           'looks_like_path', 'make_dataset', 'CaptionCollator', 'make_dataloader', 'DataConfig', 'is_shapes',
+           'shapes_prompts', 'collect_captions', 'EncodedDataset', 'encode_dataset', 'weights_digest',
+           'DiskEncodedDataset', 'encode_dataset_cached', 'BothOrientations', 'RandomFlipView']
 
 # %% ../nbs/01a_data.ipynb #d908da64
 def to_rgb(img:Image.Image, background=(255, 255, 255)) -> Image.Image:
@@ -361,6 +361,14 @@ def _shuffled(it, size:int, rng:np.random.Generator):
     rng.shuffle(buf); yield from buf
 
 # %% ../nbs/01a_data.ipynb #71a805b4
+SHARDS_COUNTED = 64
+
+def count_shard_samples(path:str|Path) -> int:
+    "Samples in a local tar shard: its distinct keys (member names up to the first dot), read from the headers alone."
+    try:
+        with tarfile.open(path) as tf: return len({m.name.rpartition('/')[0] + '/' + m.name.rpartition('/')[2].split('.', 1)[0] for m in tf if m.isfile()})
+    except (tarfile.TarError, OSError, EOFError) as e: raise BadDataError(f"{path}: not a readable tar shard ({e}).") from None
+
 class ShardSource(IterableDataset):
     "Streams WebDataset tar shards, sharded over ranks and DataLoader workers, with resampling and epochs."
     def __init__(self, urls, transform:ImageTransform, resampled:bool=True, epoch_size:int|None=None,
@@ -372,8 +380,15 @@ class ShardSource(IterableDataset):
         self.rank, self.world_size = dist_info(rank, world_size)
         self.epoch, self.batch_size, self.num_workers, self.broken = 0, 1, 0, set()
         self.log = BadSampleLog(f"shards {self.urls[0]}{' ...' if len(self.urls) > 1 else ''}", max_bad_frac)
-        if resampled and epoch_size is None:
-            raise ValueError("A resampled shard stream is infinite: give epoch_size (samples per epoch over all ranks).")
+        local = [u for u in self.urls if '://' not in u and not u.startswith('pipe:')]
+        if missing := [u for u in local if not Path(u).is_file()]:
+            raise FileNotFoundError(f"{len(missing)} of {len(self.urls)} shards match no file, e.g. {missing[0]}: check the pattern {urls!r}.")
+        if resampled and epoch_size is None:   # one pass of the shards: their samples counted from the tar headers (local shards, up to 64)
+            if len(local) != len(self.urls) or len(local) > SHARDS_COUNTED:
+                raise ConfigError(f"{len(self.urls)} {'remote ' if len(local) != len(self.urls) else ''}shards: give --epoch_size (samples per epoch "
+                                  f"over all ranks); one pass is counted only for up to {SHARDS_COUNTED} local shards.")
+            self.epoch_size = sum(count_shard_samples(u) for u in local)
+            if not self.epoch_size: raise BadDataError(f"the shards {urls!r} hold no samples.")
     def set_epoch(self, epoch:int): self.epoch, self.broken = int(epoch), set()
     def configure(self, batch_size:int, num_workers:int):
         "Tell the stream the DataLoader's batch size and workers (done by `make_dataloader`), so epochs are whole batches."
