@@ -12,8 +12,8 @@ import yaml
 
 # %% auto #0
 __all__ = ['IGNORED_SECTIONS', 'SECTION_ALIASES', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run',
-           'run_yaml', 'Flag', 'run_parser', 'parse_run', 'user_os_error', 'run_cli', 'check_flag', 'run_script',
-           'model_record', 'sampling_settings']
+           'run_yaml', 'Flag', 'run_parser', 'parse_run', 'size_text', 'user_os_error', 'run_cli', 'check_flag',
+           'run_script', 'model_record', 'sampling_settings']
 
 # %% ../nbs/00b_config.ipynb #61751582
 class UserError(Exception):
@@ -271,6 +271,12 @@ def parse_run(defaults:dict[str, Config], flags:list[Flag]=(), argv:list[str]|No
     except ConfigError as e: p.error(str(e))
 
 # %% ../nbs/00b_config.ipynb #fbf91991
+def size_text(n:float) -> str:
+    "A byte count as people read it: '512 B', '3.5 MiB', '12.50 GiB'."
+    for unit, k in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+        if n >= k: return f"{n / k:.2f} {unit}" if unit == 'GiB' else f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
+
 def user_os_error(e:BaseException) -> str|None:
     "One line for an operating-system error a user causes and can fix (a folder they cannot write, a file where a folder goes, a full disk, a file that is not text), else None."
     import errno, shutil
@@ -284,7 +290,7 @@ def user_os_error(e:BaseException) -> str|None:
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = '?'
         for d in (where, Path(where).parent if where else None, '.'):
-            try: free = f"{shutil.disk_usage(d).free / 2**30:.2f} GiB"; break
+            try: free = size_text(shutil.disk_usage(d).free); break
             except (OSError, TypeError): continue
         return f"{where or 'a file'}: no space left on the device ({free} free). What was written before is kept; free space or choose another folder, then run again."
     return None

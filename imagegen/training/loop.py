@@ -23,7 +23,7 @@ from ..diagnostics import destroy_process_group_at_exit
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
                                           CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
-                                          ema_targets, ema_tensors, free_gib,
+                                          ema_targets, ema_tensors, free_gib, size_text,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
                                           write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
@@ -793,7 +793,7 @@ def _disk_problem(self:Trainer) -> tuple|None:
     need = sum(p.numel() * 4 for p in params) * (3 + bool(self.ema))   # weights + two AdamW moments (+ EMA), float32
     free = shutil.disk_usage(self.out).free
     if free >= 2 * need: return None
-    return ('UserError', f"{self.out} has {free / 2**30:.2f} GiB free, but each checkpoint needs about {need / 2**30:.2f} GiB and two "
+    return ('UserError', f"{self.out} has {size_text(free)} free, but each checkpoint needs about {size_text(need)} and two "
                          "exist while a new one is written: free space or choose another output_dir.")
 
 @patch
