@@ -110,7 +110,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_samples(tiny_ldm, tmp_path):
         out = disk/'s'
         sample(tiny_ldm, out, '--shapes_split', 'test', '--n', 2)
         before = {f.name: f.read_bytes() for f in out.iterdir()}
-        p = sample(tiny_ldm, out, '--shapes_split', 'test', '--n', 2000, '--batch_size', 500, check=False)
+        p = sample(tiny_ldm, out, '--shapes_split', 'test', '--n', 400, '--batch_size', 200, check=False)
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode == 2 and 'Traceback' not in p.stderr and 'no space left' in last and ' free)' in last, p.stderr[-3000:]
         assert {f.name: f.read_bytes() for f in out.iterdir()} == before                  # the earlier samples, byte for byte

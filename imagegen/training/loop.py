@@ -114,6 +114,7 @@ class TrainConfig(Config):
         for f in ('weight_decay', 'warmup_steps', 'ema_update_after_step', 'nan_max_consecutive', 'nan_max_total'):
             if not (fin(getattr(self, f)) and getattr(self, f) >= 0): bad(f, "must be >= 0.")
         if not (fin(self.ema_decay) and 0 <= self.ema_decay <= 1): bad('ema_decay', "must be in [0, 1] (e.g. 0.999).")
+        if not 0 <= self.seed < 2**32: bad('seed', "must be in [0, 2**32) (torch, numpy and Python's generators all take it).")
         if not all(fin(b) and 0 <= b < 1 for b in self.adam_betas): bad('adam_betas', "each must be in [0, 1) (e.g. 0.9,0.999).")
         if self.max_grad_norm is not None and not (fin(self.max_grad_norm) and self.max_grad_norm > 0): bad('max_grad_norm', "must be > 0, or None for no clipping.")
         if not str(self.output_dir).strip(): bad('output_dir', "must name a folder.")
