@@ -51,3 +51,19 @@ def test_main_job_glide_tiny(tmp_path):
     cfg = json.loads((out/'glide_upsampler'/'run_info.json').read_text())['config']   # scripts/configs/main_glide_upsampler.yaml
     assert (cfg['model']['train_crop'], cfg['train']['max_steps']) == (64, 3)
     assert 'upsampler on true 32->128 px renders' in p.stdout
+
+
+@pytest.mark.slow   # the latent diffusion main job above stays in the default run
+def test_main_job_glm_tiny(tmp_path):
+    "make main FAMILY=glm: its VAE, then GLM-Image (both stages, first stages fitted and cached) in the release's classes, scored through GlmImagePipeline on held-out prompts and on seen pairs."
+    out = tmp_path/'main'
+    p = run(['make', '-s', 'main', 'FAMILY=glm', f'MAIN={out}', 'GLM_VAE_STEPS=2', 'GLM_STEPS=2', 'N_EVAL=4', 'N_GLM_TRAIN=64'], timeout=900)
+    assert not (out/'shapes').exists()                                   # the 32 px folder of the other families is not written
+    for samples in ('glm-samples', 'glm-samples-seen'):
+        m = json.loads((out/samples/'metrics.json').read_text())
+        assert m['n_images'] == 4 and m['family'] == 'glm' and m['guidance'] == 3 and 0 <= m['oracle/color_and_shape'] <= 1
+    cfg = json.loads((out/'glm'/'run_info.json').read_text())['config']   # scripts/configs/main_glm.yaml, steps from GLM_STEPS
+    assert (cfg['model']['size'], cfg['model']['train'], cfg['data']['cache_latents'], cfg['train']['max_steps']) == ('shapes', 'both', True, 2)
+    from diffusers import GlmImagePipeline
+    assert GlmImagePipeline.from_pretrained(out/'glm'/'model').vae.config.latents_std != [1.0] * 4   # the trained VAE, with its statistics
+    assert 'adherence (colour and shape right):' in p.stdout
