@@ -45,7 +45,7 @@ CASES = [   # (script, flags, what the one line must say); {d}: the folders abov
     ('train_ldm.py', ['--output_dir', '{o}', '--seed', '-1'], 'TrainConfig.seed=-1: must be in [0, 2**32)'),
     ('train_grpo.py', ['--output_dir', '{o}', '--pretrained_model_name_or_path', '{d}/ldm', '--reward', 'oracle=1,,ocr'], "cannot read ''"),
     ('train_grpo.py', ['--output_dir', '{o}', '--pretrained_model_name_or_path', '{d}/ldm', '--reward', 'oracle=high'], "expected float, got 'high'"),
-    ('train_grpo.py', ['--output_dir', '{o}', '--pretrained_model_name_or_path', '{d}/ldm', '--prompts', '{d}/latin1.txt'], 'UTF-8'),
+    ('train_grpo.py', ['--output_dir', '{o}', '--pretrained_model_name_or_path', '{d}/ldm', '--prompts', '{d}/latin1.txt'], 'latin1.txt is not UTF-8 text'),
 ]
 
 

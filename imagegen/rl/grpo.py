@@ -241,7 +241,9 @@ class PromptFile:
     def __init__(self, path:str|Path):
         self.path = Path(path)
         if not self.path.is_file(): raise FileNotFoundError(f"prompt file {self.path} does not exist: give a text file with one prompt per line.")
-        self.lines = [l.strip() for l in self.path.read_text().splitlines() if l.strip()]
+        try: text = self.path.read_text(encoding='utf-8')
+        except UnicodeDecodeError as e: raise ConfigError(f"prompt file {self.path} is not UTF-8 text (byte {e.start}): give a text file with one prompt per line.") from None
+        self.lines = [l.strip() for l in text.splitlines() if l.strip()]
         if not self.lines: raise ConfigError(f"prompt file {self.path} holds no prompt: write one prompt per line.")
     def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
         idx = np.random.default_rng(seed).integers(len(self.lines), size=n)
