@@ -4,7 +4,7 @@
 
 # %% ../nbs/00b_config.ipynb #ae8684dc
 from __future__ import annotations
-import argparse, dataclasses, difflib, types, typing
+import argparse, dataclasses, difflib, math, types, typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -46,6 +46,7 @@ def _coerce(val, hint, where:str):
         try: x = float(val) if not isinstance(val, bool) else None
         except (TypeError, ValueError): x = None
         if x is None or (hint is int and not x.is_integer()): raise ConfigError(f"{where}: expected {hint.__name__}, got {val!r}.")
+        if not math.isfinite(x): raise ConfigError(f"{where}: {val!r} is not a finite number.")   # NaN or infinity is never a setting
         return int(x) if hint is int else x
     if hint is str:
         if isinstance(val, (str, int, float)) and not isinstance(val, bool): return str(val)

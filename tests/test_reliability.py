@@ -147,7 +147,7 @@ def test_two_runs_on_one_folder_the_second_is_refused(tmp_path):
 
 USER_ERRORS = [
     (['--learning_rate', '-1'], 'TrainConfig.lr=-1.0: must be a positive, finite number'),
-    (['--learning_rate', 'nan'], 'TrainConfig.lr=nan'),
+    (['--learning_rate', 'nan'], "TrainConfig.lr: 'nan' is not a finite number"),
     (['--lr_warmup_steps', '-10'], 'TrainConfig.warmup_steps=-10: must be >= 0'),
     (['--ema_decay', '2.0'], 'TrainConfig.ema_decay=2.0: must be in [0, 1]'),
     (['--max_grad_norm', '-1'], 'TrainConfig.max_grad_norm=-1.0'),

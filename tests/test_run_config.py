@@ -62,11 +62,11 @@ def test_unknown_flag_is_refused():
 
 @pytest.mark.parametrize('path', sorted((ROOT/'scripts'/'configs').glob('*.yaml')), ids=lambda p: p.name)
 def test_example_configs_resolve(path):
-    "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample; editor recipes `*_edit_<family>`: train_edit.py; `grpo_*`: train_grpo.py), without error."
+    "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample; editor recipes `*_edit_<family>`: train_edit.py; `grpo_*`: train_grpo.py; `*_glm`: train_glm_image.py), without error."
     stage = 'upsample' if path.stem.endswith('glide_upsampler') else None
     grpo = path.stem.startswith('grpo_')
     edit = '_edit_' in path.stem and not grpo
-    name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
+    name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_edit' if edit else 'train_glm_image' if path.stem.endswith('_glm') else 'train_' + path.stem.rsplit('_', 1)[1]
     run_ = resolve(name, ['--config', str(path)], stage)
     assert set(run_) == ({'train', 'model', 'grpo'} if grpo else {'train', 'model', 'data'})
     if path.stem == 'grpo_hybrid_ar_shapes':   # the hybrid's AR-stage recipe (nbs/experiments): the GPT alone, the oracle on set A's 128 px images
