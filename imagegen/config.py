@@ -12,8 +12,8 @@ import yaml
 
 # %% auto #0
 __all__ = ['IGNORED_SECTIONS', 'SECTION_ALIASES', 'UserError', 'ConfigError', 'Config', 'read_run_file', 'resolve_run',
-           'run_yaml', 'Flag', 'run_parser', 'parse_run', 'size_text', 'user_os_error', 'run_cli', 'check_flag',
-           'run_script', 'model_record', 'sampling_settings']
+           'run_yaml', 'Flag', 'run_parser', 'parse_run', 'size_text', 'free_space', 'user_os_error', 'run_cli',
+           'check_flag', 'run_script', 'model_record', 'sampling_settings']
 
 # %% ../nbs/00b_config.ipynb #61751582
 class UserError(Exception):
@@ -278,9 +278,17 @@ def size_text(n:float) -> str:
         if n >= k: return f"{n / k:.2f} {unit}" if unit == 'GiB' else f"{n / k:.1f} {unit}"
     return f"{int(n)} B"
 
+def free_space(path) -> str:
+    "Free space on the disk of `path` (or of its nearest existing parent), as `size_text` writes it."
+    import shutil
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent: p = p.parent
+    try: return size_text(shutil.disk_usage(p).free)
+    except OSError: return 'unknown space'
+
 def user_os_error(e:BaseException) -> str|None:
     "One line for an operating-system error a user causes and can fix (a folder they cannot write, a file where a folder goes, a full disk, a file that is not text), else None."
-    import errno, shutil
+    import errno
     where = getattr(e, 'filename', None)
     if isinstance(e, UnicodeDecodeError): return f"a file is not UTF-8 text ({e.reason} at byte {e.start}): give a plain-text file."
     if isinstance(e, PermissionError): return f"{where or 'a path'}: permission denied. Choose a folder you can write to (or read the file as its owner)."
@@ -289,10 +297,7 @@ def user_os_error(e:BaseException) -> str|None:
     if isinstance(e, OSError) and not e.errno and ('huggingface.co' in text or "couldn't connect" in text or 'offline mode' in text.lower()):
         return f"the Hugging Face Hub cannot be reached from here ({text.splitlines()[0][:300]}). Download the model or dataset where the Hub is reachable and pass its local folder, or set HF_HUB_OFFLINE=1 with a filled cache."
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = '?'
-        for d in (where, Path(where).parent if where else None, '.'):
-            try: free = size_text(shutil.disk_usage(d).free); break
-            except (OSError, TypeError): continue
+        free = free_space(where or '.')
         return f"{where or 'a file'}: no space left on the device ({free} free). What was written before is kept; free space or choose another folder, then run again."
     return None
 

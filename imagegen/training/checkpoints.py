@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os, re, shutil, signal, warnings
 from pathlib import Path
 from accelerate import Accelerator
-from ..config import UserError, size_text
+from ..config import UserError, free_space, size_text
 
 # %% auto #0
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
@@ -102,12 +102,8 @@ def disk_full(e:BaseException) -> bool:
            (isinstance(e, RuntimeError) and ('file write failed' in str(e) or 'No space left' in str(e)))
 
 def free_gib(path:str|Path) -> str:
-    "Free space on the disk of `path` (or of its nearest existing parent), as `size_text` writes it."
-    import shutil
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent: p = p.parent
-    try: return size_text(shutil.disk_usage(p).free)
-    except OSError: return 'unknown space'
+    "Free space on the disk of `path` (`imagegen.config.free_space`)."
+    return free_space(path)
 
 def _torch_load_safe(f:Path):
     "`torch.load` with `weights_only=True` (no code runs), allowing only the numpy types accelerate's random states need."
