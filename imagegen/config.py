@@ -330,14 +330,22 @@ def check_flag(flag:str, value, lo=None, hi=None, lo_open:bool=False, hi_open:bo
     return value
 
 # %% ../nbs/00b_config.ipynb #594a0965
-def run_script(func, argv:list[str]|None=None, prog:str|None=None):
-    "Parse `argv` into `func`'s docments-annotated keyword arguments (no abbreviations) and call it through `run_cli`."
+def run_script(func, argv:list[str]|None=None, prog:str|None=None, positive:set[str]=frozenset(), signed:set[str]=frozenset()):
+    """Parse `argv` into `func`'s docments-annotated keyword arguments (no abbreviations) and call it through `run_cli`.
+    Every number is checked before `func` runs (`check_flag`, one line naming the flag): finite and not negative, above
+    zero for the names in `positive`; the names in `signed` may be negative (a flag where -1 means something)."""
     import inspect
     from fastcore.script import anno_parser
     parser = anno_parser(func, prog)
     parser.allow_abbrev = False
     params = inspect.signature(func).parameters   # anno_parser adds --pdb and --xtra, which `func` does not take
-    return run_cli(lambda a: func(**{k: v for k, v in vars(parser.parse_args(a)).items() if k in params}), argv, prog)
+    if unknown := (set(positive) | set(signed)) - set(params): raise ValueError(f"run_script: {func.__name__} has no parameters {sorted(unknown)}")
+    def call(a):
+        kw = {k: v for k, v in vars(parser.parse_args(a)).items() if k in params}
+        for k, v in kw.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool): check_flag(k, v, lo=None if k in signed else 0, lo_open=k in positive)
+        return func(**kw)
+    return run_cli(call, argv, prog)
 
 # %% ../nbs/00b_config.ipynb #ecd73640
 def model_record(model, **fields) -> dict:

@@ -633,6 +633,7 @@ class DataConfig(Config):
         if not 0 <= self.caption_dropout <= 1: raise ConfigError(f"DataConfig.caption_dropout={self.caption_dropout}: must be in [0, 1].")
         if not 0 <= self.max_bad_frac <= 1: raise ConfigError(f"DataConfig.max_bad_frac={self.max_bad_frac}: must be in [0, 1].")
         if self.num_workers < 0: raise ConfigError(f"DataConfig.num_workers={self.num_workers}: must be >= 0.")
+        if self.shuffle_buffer < 0: raise ConfigError(f"DataConfig.shuffle_buffer={self.shuffle_buffer}: must be >= 0 (0 or 1: no shuffling).")
         if self.epoch_size is not None and self.epoch_size < 1: raise ConfigError(f"DataConfig.epoch_size={self.epoch_size}: must be >= 1 or None.")
         if not str(self.dataset).strip(): raise ConfigError("DataConfig.dataset is empty: name a dataset, folder or shard pattern.")
 

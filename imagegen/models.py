@@ -50,7 +50,7 @@ def _read_json(f:Path) -> dict:
 def describe_folder(path:str|Path) -> str:
     "What `path` looks like, for an error about a folder that no model class opens."
     p = Path(path)
-    if not p.exists(): return 'nothing is there (no such file or folder)'
+    if not p.exists(): return 'not there (no such file or folder)'
     if p.is_file():
         if p.suffix == '.ckpt': return ("a single Lightning checkpoint file (taming-transformers' VQGAN comes this way), not a model folder: "
                                         "convert it with scripts/convert_vqgan.py --checkpoint FILE --config model.yaml --output_dir DIR")

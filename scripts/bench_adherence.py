@@ -4,7 +4,7 @@ from __future__ import annotations
 import json, time
 from pathlib import Path
 import torch
-from fastcore.script import call_parse
+from imagegen.config import run_script
 from imagegen.diffusion.ldm import LatentDiffusion
 from imagegen.grids import save_grid
 from imagegen.diffusion.sampling import SAMPLERS, make_generators, make_scheduler, sample
@@ -47,7 +47,6 @@ def format_table(rows:list[dict]) -> str:
     lines = [f"{r['sampler']:<18}{r['steps']:>6}" + ''.join(f"{r.get(k, float('nan')):>11.3f}" for k, _ in cols) + f"{r['s_per_image']:>10.4f}" for r in rows]
     return '\n'.join([head, *lines])
 
-@call_parse
 def main(model:str='runs/main/ldm/model', # trained LatentDiffusion folder
          configs:str=DEFAULT_CONFIGS, # comma-separated sampler:steps
          n:int=200, # held-out Shapes prompts (single objects)
@@ -66,3 +65,5 @@ def main(model:str='runs/main/ldm/model', # trained LatentDiffusion folder
     (out/'bench_adherence.json').write_text(json.dumps({'model': str(model), 'device': gpu, 'guidance': guidance, 'rows': rows}, indent=1))
     print(f"model {model}, {n} held-out prompts, guidance {guidance}, device {gpu}\n" + format_table(rows))
     return rows
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_adherence.py', positive={'batch_size', 'n'})   # run as a script (a notebook has no __file__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 import time
 import torch
-from fastcore.script import call_parse
+from imagegen.config import run_script
 from transformers import GPT2Config, GPT2LMHeadModel
 from imagegen.ar.model import LatentGPT, LatentGPTConfig
 
@@ -163,7 +163,6 @@ def mfu_table(r:dict) -> str:
            f"{r['peak_tflops']:.0f}", mfu, mem]
     return markdown_table(head, 'llrlrrllrrrrr', [row])
 
-@call_parse
 def main(sections:str='generation,training,mfu', # which parts to run (mfu runs on CUDA, or anywhere with --peak_tflops)
          device:str='auto', # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...
          threads:int=0, # torch CPU threads (0: leave as is)
@@ -219,3 +218,5 @@ def main(sections:str='generation,training,mfu', # which parts to run (mfu runs 
             print("\nMFU, bf16 autocast; FLOPs/image = 6*(N*P_tok + L_t*P_text) + 12*n_layer*n_embd*N*(N + L_t), "
                   "P_tok = n_layer*(6d^2 + 2*d*d_mlp) + d*V, P_text = D*d + n_layer*2d^2:\n" + mfu_table(out['mfu']))
     return out
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_gpt.py', positive={'accumulation', 'batch', 'gen_batch', 'gen_heads', 'gen_layers', 'gen_repeats', 'gen_width', 'heads', 'layers', 'mfu_batch', 'mfu_steps', 'repeats', 'steps', 'text_len', 'vocab', 'width'})   # run as a script (a notebook has no __file__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 import tempfile, time
 from pathlib import Path
-from fastcore.script import call_parse
+from imagegen.config import run_script
 from imagegen.shapes import ShapesDataset
 from imagegen.data import make_dataloader, shard_pattern, write_imagefolder, write_shards
 
@@ -33,7 +33,6 @@ def table(rows:list[dict], resolution:int=64) -> str:
     lines = [f"| source | workers | images/s at {resolution} px |", "|---|---:|---:|"]
     return '\n'.join(lines + [f"| {r['source']} | {r['workers']} | {r['images/s']:.0f} |" for r in rows])
 
-@call_parse
 def main(n:int=2000, # images written for the benchmark
          source_resolution:int=128, # resolution of the written images (decoded and resized by the loader)
          resolution:int=64, # loader output resolution
@@ -45,3 +44,5 @@ def main(n:int=2000, # images written for the benchmark
         rows = bench(root or tmp, n, source_resolution, resolution, batch_size)
     print(table(rows, resolution))
     return rows
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_loader.py', positive={'batch_size', 'n', 'resolution', 'source_resolution'})   # run as a script (a notebook has no __file__)

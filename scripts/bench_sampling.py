@@ -4,7 +4,7 @@ from __future__ import annotations
 import json, time, statistics
 from pathlib import Path
 import torch
-from fastcore.script import call_parse
+from imagegen.config import run_script
 from imagegen.autoencoders.kl import ImageAutoencoder
 from imagegen.diffusion.sampling import make_generators, make_scheduler, sample, tiny_sd_components, to_pipeline
 
@@ -45,7 +45,6 @@ def format_table(rows:list[dict]) -> str:
              f"{r['round_ratio_min']:>10.3f}-{r['round_ratio_max']:.3f}" for r in rows]
     return '\n'.join([head, '-' * len(head), *lines])
 
-@call_parse
 def main(samplers:str='ddim,euler_a,dpmpp_2m_karras', # comma-separated sampler names (see imagegen.diffusion.sampling.SAMPLERS)
          steps:int=20, # denoising steps
          batch:int=4, # images per call
@@ -66,3 +65,5 @@ def main(samplers:str='ddim,euler_a,dpmpp_2m_karras', # comma-separated sampler 
     print(format_table(rows))
     if json_out: Path(json_out).write_text(json.dumps(rows, indent=1))
     return rows
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_sampling.py', positive={'batch', 'image_size', 'repeats', 'steps', 'width'})   # run as a script (a notebook has no __file__)

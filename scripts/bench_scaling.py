@@ -3,7 +3,7 @@
 from __future__ import annotations
 import importlib.util, json, os, socket, subprocess, sys, tempfile
 from pathlib import Path
-from fastcore.script import call_parse
+from imagegen.config import run_script
 
 def _bench_training():
     "scripts/bench_training.py as a module (its UNet, task and data)."
@@ -70,7 +70,6 @@ def table(rows:list[dict]) -> str:
     return '\n'.join([head] + [f"| {r['processes']} | {r['device']} | {r['threads_per_process'] or ''} | {r['images_per_s']:.1f} | "
                                 f"{r['per_process']:.1f} | {r['efficiency']:.3f} |" for r in rows])
 
-@call_parse
 def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: at most the GPUs of the node)
          steps:int=40, # optimizer updates per run (the first 2 untimed)
          batch_size:int=16, # images per process and step
@@ -89,3 +88,5 @@ def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: a
         print("steps skipped for a non-finite loss or gradient (timed all the same): " + ', '.join(bad))
     if json_out: Path(json_out).write_text(json.dumps(rows, indent=1))
     return rows
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_scaling.py', positive={'batch_size', 'resolution', 'steps'})   # run as a script (a notebook has no __file__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import tempfile, time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from fastcore.script import call_parse
+from imagegen.config import run_script
 from diffusers import UNet2DConditionModel
 from imagegen.text import TextEncoder, tiny_clip_tokenizer
 from imagegen.training.loop import TrainConfig, check_compiled_gradients, train
@@ -155,7 +155,6 @@ def bench_text_cache(steps:int=40, batch_size:int=8, resolution:int=32, mixed_pr
     rows[1].update(cache_build_s=min(build), cache_captions=steps * batch_size + 1)   # once per dataset and encoder, before training
     return rows
 
-@call_parse
 def main(steps:int=40, # optimizer updates per run (first 2 untimed)
          batch_size:int=8, # images per batch
          resolution:int=32, # latent resolution
@@ -191,3 +190,5 @@ def main(steps:int=40, # optimizer updates per run (first 2 untimed)
               f"{g['worst_share']:.0%} of the difference in {g['worst_param']}; losses {g['loss_eager']:.6f} / {g['loss_compiled']:.6f})")
         rows = rows + comp + [{'loop': 'compiled gradients against eager', **g}]
     return rows
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_training.py', positive={'batch_size', 'repeats', 'resolution', 'steps', 'text_hidden', 'text_layers'})   # run as a script (a notebook has no __file__)

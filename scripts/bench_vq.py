@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 import torch
 from torch.utils.data import DataLoader
-from fastcore.script import call_parse
+from imagegen.config import run_script
 from diffusers.optimization import get_scheduler
 from imagegen.autoencoders.vq import VQConfig, VQVAETask
 from imagegen.data import CaptionCollator, make_dataset
@@ -49,7 +49,6 @@ def table(runs:dict[str, list[dict]], codebook_size:int) -> str:
                  f"seconds per run: {a[-1]['seconds']:.0f} (restart), {b[-1]['seconds']:.0f} (no restart)")
     return '\n'.join(lines)
 
-@call_parse
 def main(steps:int=300, # optimizer steps per run
          batch_size:int=32, # images per batch
          every:int=50, # steps between table rows
@@ -70,3 +69,5 @@ def main(steps:int=300, # optimizer steps per run
     runs = bench(cfg, steps=steps, batch_size=batch_size, every=every, lr=lr, seed=seed, dataset=dataset)
     print(table(runs, cfg.codebook_size))
     return runs
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_vq.py', positive={'batch_size', 'code_dim', 'codebook_size', 'every', 'lr', 'steps'})   # run as a script (a notebook has no __file__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 import importlib.util, json, os, shlex, shutil, signal, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
-from fastcore.script import call_parse
+from imagegen.config import ConfigError, run_script
 
 IMPLEMENTATIONS = ('ours', 'diffusers')
 
@@ -131,26 +131,25 @@ def check_settings(impls:list[str], caches:list[str], diffusers_script, short_st
                    mixed_precision:str, build:bool, width:int, text_dim:int, resolution:int, train_data_dir) -> None:
     "Refuse unusable flags before any work starts, naming the flag and what to do (SystemExit)."
     if not impls or (bad := [i for i in impls if i not in IMPLEMENTATIONS]):
-        raise SystemExit(f"--implementations: {impls} has unknown or no names; choose from {', '.join(IMPLEMENTATIONS)}.")
+        raise ConfigError(f"--implementations: {impls} has unknown or no names; choose from {', '.join(IMPLEMENTATIONS)}.")
     if 'ours' in impls and (not caches or [c for c in caches if c not in ('on', 'off')]):
-        raise SystemExit(f"--ours_cache: {caches}; give 'on', 'off' or 'on,off'.")
+        raise ConfigError(f"--ours_cache: {caches}; give 'on', 'off' or 'on,off'.")
     if 'diffusers' in impls:
         if not diffusers_script:
-            raise SystemExit("--diffusers_script is needed to time diffusers' side: give the path of diffusers' "
+            raise ConfigError("--diffusers_script is needed to time diffusers' side: give the path of diffusers' "
                              "examples/text_to_image/train_text_to_image.py (from a diffusers checkout matching the installed "
                              "diffusers), or time ours alone with --implementations ours.")
         if not Path(diffusers_script).is_file():
-            raise SystemExit(f"--diffusers_script {diffusers_script}: no such file (diffusers' examples/text_to_image/train_text_to_image.py).")
-    if not 1 <= short_steps < long_steps: raise SystemExit(f"--short_steps {short_steps} and --long_steps {long_steps}: need 1 <= short < long.")
-    if repeats < 1: raise SystemExit(f"--repeats {repeats}: need at least 1.")
-    if mixed_precision not in ('no', 'bf16', 'fp16'): raise SystemExit(f"--mixed_precision {mixed_precision!r}: 'no', 'bf16' or 'fp16'.")
+            raise ConfigError(f"--diffusers_script {diffusers_script}: no such file (diffusers' examples/text_to_image/train_text_to_image.py).")
+    if not 1 <= short_steps < long_steps: raise ConfigError(f"--short_steps {short_steps} and --long_steps {long_steps}: need 1 <= short < long.")
+    if repeats < 1: raise ConfigError(f"--repeats {repeats}: need at least 1.")
+    if mixed_precision not in ('no', 'bf16', 'fp16'): raise ConfigError(f"--mixed_precision {mixed_precision!r}: 'no', 'bf16' or 'fp16'.")
     if build and (width % 8 or text_dim % 4 or resolution % 4 or resolution < 16):
-        raise SystemExit(f"--width {width} (a multiple of 8), --text_dim {text_dim} (a multiple of 4) and --resolution {resolution} "
+        raise ConfigError(f"--width {width} (a multiple of 8), --text_dim {text_dim} (a multiple of 4) and --resolution {resolution} "
                          "(a multiple of 4, at least 16) size the random model folder.")
     if train_data_dir and not (Path(train_data_dir)/'metadata.jsonl').is_file():
-        raise SystemExit(f"--train_data_dir {train_data_dir}: no metadata.jsonl there (an image folder as scripts/make_shapes.py writes).")
+        raise ConfigError(f"--train_data_dir {train_data_dir}: no metadata.jsonl there (an image folder as scripts/make_shapes.py writes).")
 
-@call_parse
 def main(diffusers_script:str=None, # diffusers' examples/text_to_image/train_text_to_image.py (needed to time diffusers' side)
          implementations:str='ours,diffusers', # comma-separated: ours, diffusers
          ours_cache:str='on,off', # our runs: 'on' (--cache_latents), 'off', or 'on,off' for both
@@ -215,3 +214,5 @@ def main(diffusers_script:str=None, # diffusers' examples/text_to_image/train_te
         print(f"settings, commands, runs and rows written to {json_out}")
     if not work_dir: shutil.rmtree(work, ignore_errors=True)
     return rows
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='bench_vs_diffusers.py', positive={'learning_rate', 'long_steps', 'max_length', 'n_images', 'repeats', 'resolution', 'shapes_level', 'short_steps', 'text_dim', 'timeout', 'train_batch_size', 'width'})   # run as a script (a notebook has no __file__)

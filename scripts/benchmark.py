@@ -4,7 +4,7 @@ from __future__ import annotations
 import json, time
 from pathlib import Path
 import torch
-from fastcore.script import call_parse
+from imagegen.config import run_script
 
 FAMILIES = {'ldm': ('tiny', 'small'), 'gpt': ('tiny', 'small'), 'glide': ('tiny',)}   # the presets that build offline
 PEAK_TFLOPS = {  # dense peak by GPU name (first match), at bf16/fp16 and at fp32 without TF32
@@ -112,7 +112,6 @@ def table(rows:list[dict]) -> str:
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '|'.join(['---'] * 2 + ['---:'] * (len(head) - 2)) + '|']
     return '\n'.join(lines + ['| ' + ' | '.join(map(str, fmt(r))) + ' |' for r in rows])
 
-@call_parse
 def main(families:str='ldm,gpt,glide', # comma-separated: ldm, gpt, glide
          presets:str='tiny', # comma-separated presets; each family runs those it has (ldm: tiny small; gpt: tiny small; glide: tiny)
          batch:int=8, # training images per step
@@ -146,3 +145,5 @@ def main(families:str='ldm,gpt,glide', # comma-separated: ldm, gpt, glide
         Path(json_out).write_text(json.dumps({'device': name, 'torch': torch.__version__, 'rows': rows}, indent=2))
         print(f"rows written to {json_out}")
     return rows
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='benchmark.py', positive={'batch', 'sample_batch', 'sample_steps', 'steps'})   # run as a script (a notebook has no __file__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from accelerate import Accelerator
-from fastcore.script import call_parse
+from imagegen.config import run_script
 from imagegen.diagnostics import collect, destroy_process_group_at_exit, distributed_check, format_report
 
 def report_table(r:dict) -> str:
@@ -15,7 +15,6 @@ def report_table(r:dict) -> str:
     lines.append(f"distributed check OK: {r['num_processes']} process(es), {r['distributed_type']}")
     return '\n'.join(lines)
 
-@call_parse
 def main(json_out:str=None, # also write the gathered report (all ranks) to this JSON file
          cpu:bool=False, # force CPU even when GPUs are visible
         ):
@@ -29,3 +28,5 @@ def main(json_out:str=None, # also write the gathered report (all ranks) to this
         if json_out: Path(json_out).write_text(json.dumps(r, indent=2))
     acc.wait_for_everyone()
     return r
+
+if __name__ == '__main__' and '__file__' in globals(): run_script(main, prog='diagnose_distributed.py')   # run as a script (a notebook has no __file__)

@@ -6,7 +6,7 @@ from pathlib import Path
 from PIL import Image
 import argparse
 from fastcore.script import str2bool
-from imagegen.config import ConfigError, run_cli
+from imagegen.config import ConfigError, check_flag, run_cli
 from imagegen.data import inside
 from imagegen.autoencoders.kl import ImageAutoencoder
 from imagegen.diffusion.upsampler import UPSAMPLER_SAMPLER, UPSAMPLER_STEPS
@@ -189,6 +189,7 @@ def parse_args(argv:list[str]|None=None):
 def main(argv:list[str]|None=None) -> dict|None:
     "Compute every metric the samples allow and write them as JSON."
     a = parse_args(argv)
+    check_flag('upsampler_steps', a.upsampler_steps, 1); check_flag('upsampler_batch_size', a.upsampler_batch_size, 1)
     if int(os.environ.get('RANK', 0)) > 0: return None  # not the main process of a launch: rank 0 does it all
     rows = read_samples(a.samples)
     has_edits = all(r.get('edit') for r in rows)

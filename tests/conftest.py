@@ -64,16 +64,23 @@ def rank_records(probe, n:int) -> list[dict]:
     return [torch.load(Path(probe)/f'rank{r}.pt', weights_only=False) for r in range(n)]
 
 _MANY = r'''
-import contextlib, io, json, os, runpy, sys, traceback
-calls, res = json.loads(sys.argv[1]), []
+import contextlib, io, json, os, runpy, signal, sys, traceback
+calls, limit, res = json.loads(sys.argv[1]), int(sys.argv[2]), []
+class RanTooLong(BaseException): pass
+def stop(*_): raise RanTooLong()
+signal.signal(signal.SIGALRM, stop)
 for script, argv, env in calls:
     out, err, rc = io.StringIO(), io.StringIO(), 0
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     sys.argv = [script, *argv]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try: runpy.run_path(script, run_name='__main__')
+        try:
+            signal.alarm(limit)
+            try: runpy.run_path(script, run_name='__main__')
+            finally: signal.alarm(0)
         except SystemExit as e: rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except RanTooLong: rc = 124; err.write(f'RUN_MANY: still running after {limit} s, stopped (the call started real work)\n')
         except BaseException: rc = 1; err.write(traceback.format_exc())
     for k, v in old_env.items():
         if v is None: os.environ.pop(k, None)
@@ -82,14 +89,16 @@ for script, argv, env in calls:
 print('RUN_MANY ' + json.dumps(res), flush=True)
 '''
 
-def run_many(calls, timeout=600) -> list[dict]:
+def run_many(calls, timeout=600, case_timeout:int|None=None) -> list[dict]:
     """Run each `(script, argv[, env])` of `calls` as `python script *argv` would, one after the other in ONE fresh
     interpreter (runpy, `__name__ == '__main__'`), and return `{'returncode', 'stdout', 'stderr'}` for each.
     For the CLI checks that end before any work starts (--help, refused flags and configs): they would each pay the
-    seconds torch + diffusers take to import; a fresh process per check is kept for everything that trains or launches."""
+    seconds torch + diffusers take to import; a fresh process per check is kept for everything that trains or launches.
+    With `case_timeout` each call is stopped after that many seconds (SIGALRM) and reported with return code 124 and
+    a line saying so: a check that was meant to be refused but starts real work fails on its own, not the whole table."""
     import json
     calls = [(str(ROOT/c[0]), list(map(str, c[1])), dict(c[2]) if len(c) > 2 else {}) for c in calls]
-    p = run([sys.executable, '-c', _MANY, json.dumps(calls)], timeout=timeout)
+    p = run([sys.executable, '-c', _MANY, json.dumps(calls), str(case_timeout or 0)], timeout=timeout)
     return json.loads(next(l for l in p.stdout.splitlines() if l.startswith('RUN_MANY '))[len('RUN_MANY '):])   # whatever else was printed (exit hooks, warnings) is ignored
 
 def assert_same_image(a, b, levels:int=1, share:float=0.01):

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, CLIPTextConfig, PreTrainedModel  # PreTr
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.clip.modeling_clip import CLIPEncoder, CLIPPreTrainedModel
 from ..config import Config, ConfigError, model_record, sampling_settings
+from ..data import looks_like_path
 from .ldm import UNetWithTextEncoder, _drop_captions, diffusion_target, loss_weights
 from .sampling import draw_noise, draw_timesteps, make_scheduler, sample_latents, unpin_defaults
 from ..grids import to_pil
@@ -127,6 +128,7 @@ class GlideConfig(Config):
         if self.text_layers < 0: bad('text_layers', "must be >= 0 (0: embeddings only, no transformer layer).")
         for f in ('text_width', 'text_heads', 'text_ctx', 'layers_per_block', 'attention_head_dim', 'num_train_timesteps', 'resolution'):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
+        if self.text_vocab_size < 514: bad('text_vocab_size', "must be >= 514 (the tiny tokenizer's special tokens and its 256 byte symbols).")
         if self.text_width % self.text_heads: bad('text_width', f"must be divisible by text_heads={self.text_heads}.")
         if any(c % self.attention_head_dim for c, a in zip(self.block_out_channels, self.attention_levels) if a):
             bad('attention_head_dim', f"must divide the channels of every attention level {self.block_out_channels}.")
@@ -235,6 +237,8 @@ def _glide_tokenizer(cfg:GlideConfig, corpus:list[str]|None):
     if cfg.tokenizer == 'tiny':
         if not corpus: raise ValueError("GlideConfig.tokenizer='tiny' builds its tokenizer from the training captions: pass corpus=[...captions...].")
         return train_clip_tokenizer(corpus, vocab_size=cfg.text_vocab_size, max_length=cfg.text_ctx)
+    if looks_like_path(cfg.tokenizer) and not Path(cfg.tokenizer).exists():
+        raise FileNotFoundError(f"GlideConfig.tokenizer {cfg.tokenizer} does not exist: give 'tiny', a tokenizer folder, or a Hub id (GLIDE's is openai-community/gpt2).")
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
     if tok.pad_token is None: tok.pad_token = tok.eos_token                # GPT-2 has none; padded slots get the padding embedding anyway
     tok.model_max_length = cfg.text_ctx

@@ -71,6 +71,7 @@ class GRPORunConfig(Config):
         if self.prompt_level not in (1, 2): raise ConfigError(f"GRPORunConfig.prompt_level={self.prompt_level}: Shapes scenes have 1 or 2 objects.")
         if self.prompts_per_step < 1 or self.inner_steps < 1: raise ConfigError("GRPORunConfig: prompts_per_step and inner_steps must be >= 1.")
         if not self.eta > 0: raise ConfigError(f"GRPORunConfig.eta={self.eta}: rollouts need stochastic steps (eta > 0).")
+        if self.num_inference_steps < 2: raise ConfigError(f"GRPORunConfig.num_inference_steps={self.num_inference_steps}: rollouts need at least 2 sampling steps.")
         if self.num_validation_prompts < 0: raise ConfigError(f"GRPORunConfig.num_validation_prompts={self.num_validation_prompts}: must be >= 0.")
         if self.untrained_eta is not None and self.train_steps is None:
             raise ConfigError(f"GRPORunConfig.untrained_eta={self.untrained_eta} sets the noise of the steps left untrained, but train_steps is None "
