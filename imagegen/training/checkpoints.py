@@ -4,7 +4,7 @@
 
 # %% ../../nbs/02a_checkpoints.ipynb #59aa0be2
 from __future__ import annotations
-import json, os, re, shutil, signal, warnings
+import contextlib, json, os, re, shutil, signal, warnings
 from pathlib import Path
 from accelerate import Accelerator
 from ..config import UserError, free_space, size_text
@@ -12,9 +12,10 @@ from ..config import UserError, free_space, size_text
 # %% auto #0
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
            'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
-           'DiskFullError', 'disk_full', 'free_gib', 'check_checkpoint', 'usable_checkpoint', 'ema_tensors',
-           'ema_parameters', 'ema_targets', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir',
-           'release_run_lock', 'Preempted', 'find_checkpoint', 'load_trained_weights']
+           'DiskFullError', 'disk_full', 'free_gib', 'check_sharded_folder', 'check_checkpoint', 'usable_checkpoint',
+           'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'full_tensor', 'shard_like', 'gathered',
+           'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir', 'release_run_lock', 'Preempted',
+           'find_checkpoint', 'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -111,6 +112,39 @@ def _torch_load_safe(f:Path):
     from accelerate.utils.other import load
     return load(str(f), map_location='cpu', weights_only=True, mmap=True)   # mapped, not read: an optimizer state can be GBs
 
+import pickle as _pickle
+
+class _ShardIndexUnpickler(_pickle.Unpickler):
+    "Unpickles a distributed checkpoint's `.metadata` (an index of tensor slices, pickled by torch) knowing only the classes that index is made of."
+    ALLOWED = {('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch.serialization', '_get_layout'), ('torch', 'Size'),
+               ('pathlib', 'PosixPath'), ('pathlib', 'PurePosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PureWindowsPath'),
+               ('collections', 'OrderedDict')}
+    def find_class(self, module, name):
+        import torch
+        if module == 'torch.distributed.checkpoint.metadata' or (module, name) in self.ALLOWED or \
+           (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)): return super().find_class(module, name)
+        raise _pickle.UnpicklingError(f"it names {module}.{name}, which is no part of a checkpoint index: code planted in it would run")
+
+def check_sharded_folder(folder:str|Path):
+    """Read a distributed-checkpoint folder (FSDP2's model or optimizer state: `.metadata` and `*.distcp`) without running
+    code. torch loads its index with plain `pickle` and its non-tensor items with `weights_only=False`; here the index
+    goes through an unpickler that knows only the index's own classes, every non-tensor item through
+    `torch.load(weights_only=True)`, and every slice the index names must lie inside the folder and be complete."""
+    import io, torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+    folder = Path(folder)
+    with open(folder/'.metadata', 'rb') as fh: meta = _ShardIndexUnpickler(fh).load()
+    if not isinstance(meta, Metadata): raise ValueError(f"its .metadata holds a {type(meta).__name__}, not a checkpoint index")
+    root = folder.resolve()
+    for idx, info in (meta.storage_data or {}).items():
+        f = (folder/str(info.relative_path)).resolve()
+        if not f.is_relative_to(root): raise ValueError(f"its index points outside the folder ({info.relative_path})")
+        if not f.is_file() or f.stat().st_size < info.offset + info.length:
+            raise ValueError(f"{f.name} is missing or shorter than its index says (truncated)")
+        if isinstance(meta.state_dict_metadata.get(idx.fqn), BytesStorageMetadata):
+            with open(f, 'rb') as fh: fh.seek(info.offset); data = fh.read(info.length)
+            torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)
+
 def check_checkpoint(ckpt:str|Path) -> dict:
     "Read every file of checkpoint `ckpt` without running code; returns its trainer state, or raises `CheckpointError` naming the bad file."
     from safetensors import safe_open
@@ -121,8 +155,16 @@ def check_checkpoint(ckpt:str|Path) -> dict:
     except FileNotFoundError: raise CheckpointError(f"{ckpt} has no trainer_state.json: an incomplete checkpoint.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{st} is damaged ({e}).") from None
     if not isinstance(state, dict) or not isinstance(state.get('step'), int): raise CheckpointError(f"{st} is damaged (no step).")
-    if not any(ckpt.glob('model*.safetensors')) and not any(ckpt.glob('pytorch_model*.bin')):
-        raise CheckpointError(f"{ckpt} has no model weights (model.safetensors): an incomplete or emptied checkpoint.")
+    if not any(ckpt.glob('model*.safetensors')) and not any(ckpt.glob('pytorch_model*.bin')) and not any(ckpt.glob('pytorch_model_fsdp_*/.metadata')):
+        raise CheckpointError(f"{ckpt} has no model weights (model.safetensors, or pytorch_model_fsdp_0/ when sharded): an incomplete or emptied checkpoint.")
+    for d in sorted(x for x in ckpt.iterdir() if x.is_dir()):   # FSDP2's sharded model and optimizer states
+        if not (d/'.metadata').is_file():
+            if any(d.glob('*.distcp')): raise CheckpointError(f"{d} has slices but no .metadata index: an incomplete checkpoint.")
+            continue
+        try: check_sharded_folder(d)
+        except Exception as e:
+            raise CheckpointError(f"{d} cannot be read safely ({type(e).__name__}: {str(e)[:200]}): damaged, truncated, or not "
+                                  "written by the training loop.") from None
     for f in sorted(ckpt.iterdir()):
         if f.name.startswith('custom_checkpoint_'):
             raise CheckpointError(f"{f} is a pickled object, which accelerate would load with weights_only=False: code planted in it "
@@ -179,6 +221,45 @@ def ema_targets(module, shadow:list, ckpt='') -> list[tuple[str, object]]:
     for i, ((name, p), s) in enumerate(zip(pairs, shadow)):
         if p.shape != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
     return pairs
+
+# %% ../../nbs/02a_checkpoints.ipynb #6c00f7e7
+def is_sharded(t) -> bool:
+    "Whether `t` is one rank's slice of a tensor (a `DTensor`, as FSDP2 keeps parameters)."
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+def full_tensor(t):
+    "The whole tensor of slice `t` (an all-gather: every rank calls it), or `t` itself when it is whole."
+    return t.full_tensor() if is_sharded(t) else t
+
+def shard_like(full, like):
+    "Whole tensor `full` cut into this rank's slice the way `like` is sharded (`full` itself when `like` is whole)."
+    if not is_sharded(like): return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+@contextlib.contextmanager
+def gathered(model):
+    """Every FSDP2 unit of `model` unsharded for the block (its full parameters on every rank), resharded after; nothing
+    happens for an unsharded model. Every rank enters it. Inside, `state_dict()` (and so diffusers' and transformers'
+    `save_pretrained`) returns the whole tensors: FSDP2's hook that turns a module back into its slices before
+    `state_dict` is set aside for the block (the unsharded module is what should be saved), and every unit shows its own
+    class again (`fully_shard` makes a `UNet2DConditionModel` an `FSDPUNet2DConditionModel`, the name diffusers and
+    transformers would write into `model_index.json` and `config.json`)."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units: yield model; return
+    for m in units: m.unshard()   # (FSDP2 registers its state-dict hooks lazily, at the first unshard or forward)
+    set_aside = [(m, k, h) for m in model.modules() for k, h in list(m._state_dict_pre_hooks.items())
+                 if getattr(h, '__name__', '') == 'to_sharded_hook']
+    for m, k, _ in set_aside: del m._state_dict_pre_hooks[k]
+    classes = [(m, type(m)) for m in units]
+    for m, cls in classes: m.__class__ = next(b for b in cls.__bases__ if b is not FSDPModule)
+    try: yield model
+    finally:
+        for m, cls in classes: m.__class__ = cls
+        for m, k, h in set_aside: m._state_dict_pre_hooks[k] = h
+        for m in reversed(units): m.reshard()
 
 # %% ../../nbs/02a_checkpoints.ipynb #de138e5f
 LOCK_FILE = '.lock'

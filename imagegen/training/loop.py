@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.state import AcceleratorState, GradientState, PartialState
-from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, send_to_device, set_seed
 from diffusers.optimization import get_scheduler, SchedulerType
 from diffusers.training_utils import EMAModel
 from ..config import Config, ConfigError, Flag, UserError, run_yaml
@@ -23,7 +23,7 @@ from ..diagnostics import destroy_process_group_at_exit
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
                                           CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
-                                          ema_targets, ema_tensors, free_gib, size_text,
+                                          ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, shard_like, size_text,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
                                           write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
@@ -31,8 +31,8 @@ from .tracking import check_tracker, flat_params, run_info, scalars
 # %% auto #0
 __all__ = ['MIXED_PRECISION', 'TRACKERS', 'COMPILE_MODES', 'TRAIN_FLAGS', 'TRACKER_FILE', 'BEST_MODEL', 'INITIAL_MODEL',
            'TrainConfig', 'TrainTask', 'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer',
-           'make_accelerator', 'TaskStream', 'Trainer', 'check_compiled_gradients', 'mlflow_uri', 'NonFiniteLossError',
-           'train', 'OutOfMemory']
+           'make_accelerator', 'fsdp_requested', 'fsdp_on_cpu_ranks', 'fsdp_wrap_policy', 'TaskStream', 'Trainer',
+           'check_compiled_gradients', 'mlflow_uri', 'NonFiniteLossError', 'train', 'OutOfMemory']
 
 # %% ../../nbs/02c_loop.ipynb #beaf4262
 MIXED_PRECISION = ('no', 'fp16', 'bf16')
@@ -201,10 +201,47 @@ def make_accelerator(cfg:TrainConfig, **kwargs) -> Accelerator:
     single = bool(PartialState._shared_state) and not PartialState().use_distributed
     AcceleratorState._reset_state(reset_partial_state=single); GradientState._reset_state()
     destroy_process_group_at_exit()   # a rank that exits with its group alive can abort after finishing (98_diagnostics)
-    return Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
-                       log_with=None if cfg.tracker == 'none' else cfg.tracker,
-                       project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir)/'logs')),
-                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed), **kwargs)
+    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
+                      log_with=None if cfg.tracker == 'none' else cfg.tracker,
+                      project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir)/'logs')),
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed), **kwargs)
+    fsdp_on_cpu_ranks(acc, kwargs.get('fsdp_plugin'))
+    return acc
+
+def fsdp_requested() -> bool:
+    "Whether the launcher asked for FSDP (`accelerate launch --use_fsdp` or a config file with `distributed_type: FSDP` sets `ACCELERATE_USE_FSDP`)."
+    return os.environ.get('ACCELERATE_USE_FSDP', 'false').lower() == 'true'
+
+def fsdp_on_cpu_ranks(acc:Accelerator, plugin=None) -> bool:
+    """Turn on the FSDP2 the launcher asked for where accelerate left it off: CPU ranks over gloo. accelerate 1.15 enables
+    FSDP only for accelerator devices, but torch's FSDP2 (`fully_shard`) shards, trains and checkpoints on CPU ranks
+    too; with the state switched, accelerate's own FSDP2 code (`prepare`, `save_state`, `get_state_dict`) runs as on GPUs.
+    FSDP1 stays refused there. Returns whether it switched."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    if not fsdp_requested() or acc.distributed_type != DistributedType.MULTI_CPU: return False
+    plugin = plugin or FullyShardedDataParallelPlugin()   # the launcher's FSDP_* variables
+    if plugin.fsdp_version != 2:
+        raise ConfigError("FSDP on CPU ranks runs only as FSDP2: launch with --fsdp_version 2 (or fsdp_version: 2 in the accelerate config).")
+    if acc.mixed_precision != 'no': plugin.set_mixed_precision(acc.mixed_precision)
+    # both shared states: AcceleratorState copies PartialState's distributed_type whenever it is built again
+    PartialState._shared_state['distributed_type'] = AcceleratorState._shared_state['distributed_type'] = DistributedType.FSDP
+    AcceleratorState._shared_state['fsdp_plugin'] = plugin
+    return True
+
+def fsdp_wrap_policy(plugin, model:nn.Module, blocks:list[str]|None=None) -> list[str]:
+    """Per-family FSDP units: each block class the task names (`task.fsdp_blocks`) or, by default, the model's own
+    `_no_split_modules`, its parts' too (diffusers' UNet: its ResNet, attention and up blocks; our GPT: `Block`; GLM-Image: its
+    transformer blocks) that the model really contains becomes its own unit, the rest one root unit. Without units the
+    whole model is gathered at every forward, so this is the default where the launcher named no policy; a policy it
+    did name (size-based, or class names) is kept. Returns the class names wrapped."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    if plugin.transformer_cls_names_to_wrap: return list(plugin.transformer_cls_names_to_wrap)
+    if plugin.auto_wrap_policy not in (None, transformer_auto_wrap_policy): return []
+    present = {type(m).__name__ for m in model.modules()}
+    declared = blocks or [c for m in model.modules() for c in (getattr(m, '_no_split_modules', None) or [])]   # a wrapper's parts too
+    names = [c for c in dict.fromkeys(declared) if c in present]
+    plugin.auto_wrap_policy, plugin.transformer_cls_names_to_wrap = (transformer_auto_wrap_policy, names) if names else (None, None)
+    return names
 
 # %% ../../nbs/02c_loop.ipynb #d5c3d7db
 class TaskStream:
@@ -260,6 +297,7 @@ def _setup(self:Trainer, dataloader):
     # a loader that shards itself (WebDataset shards, `dl.self_sharded`) is not prepared: accelerate would dispatch
     # rank 0's share to every rank (and fail on the caption strings); its batches are moved to the device in `_run_epoch`
     self.self_sharded = bool(getattr(dataloader, 'self_sharded', False))
+    if acc.distributed_type == DistributedType.FSDP: self.fsdp_units = fsdp_wrap_policy(acc.state.fsdp_plugin, model, getattr(self.task, 'fsdp_blocks', None))
     if self.self_sharded: (self.model, self.opt), self.dl = acc.prepare(model, opt), dataloader
     else: self.model, self.opt, self.dl = acc.prepare(model, opt, dataloader)
     if cfg.torch_compile:   # after DDP wrapping, as accelerate's own dynamo plugin does; `acc.unwrap_model` sees through both
@@ -272,8 +310,11 @@ def _setup(self:Trainer, dataloader):
     # neither is registered with accelerate (which would pickle them): their state goes to trainer_state.json / ema.safetensors
     self.sched = get_scheduler(cfg.lr_scheduler, self.opt.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.max_steps)
     if cfg.ema:
-        self.ema = EMAModel(ema_parameters(acc.unwrap_model(self.model)), decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
-                            use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power, foreach=cfg.foreach_ema)
+        params = ema_parameters(acc.unwrap_model(self.model))
+        # under FSDP2 the EMA is sharded like the weights (each rank averages its slices); torch has no DTensor rule for
+        # diffusers' foreach copy, so a sharded EMA steps and swaps tensor by tensor
+        self.ema = EMAModel(params, decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
+                            use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power, foreach=cfg.foreach_ema and not any(map(is_sharded, params)))
         self.ema.to(acc.device)
     if hasattr(self.task, 'setup'): self.task.setup(acc, self.model)
 
@@ -351,6 +392,7 @@ def _resume(self:Trainer) -> Path|None:
             model = self.acc.unwrap_model(self.model)
             keep = {id(p) for p in ema_parameters(model)}
             shadow = [s for (_, p), s in zip(ema_targets(model, shadow, ckpt), shadow) if id(p) in keep]
+            shadow = [shard_like(s, cur) for s, cur in zip(shadow, self.ema.shadow_params)]   # FSDP2: this rank's slices
             self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow}); self.ema.to(self.acc.device)
     self.step, self.epoch, self.bad_total, self.bad_samples = st['step'], st['epoch'], st['bad_steps_total'], st.get('bad_samples', 0)
     self.epoch_sums, self.epoch_metrics = st['epoch_sums'], st['epoch_metrics']
@@ -508,6 +550,7 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     # the norm is computed even without clipping (max_norm=inf scales by 1): a non-finite gradient is never applied
     gn = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float('inf'))
     # torch returns a CPU zero when no parameter has a gradient: bring the norm to the losses' device
+    if is_sharded(gn): gn = gn.full_tensor()   # FSDP2: the norm over every rank's slices, as a replicated DTensor
     gn = torch.zeros((), device=sums.device) if gn is None else gn.detach().float().to(sums.device)
     bad = sums[-1] > 0
     if acc.mixed_precision != 'fp16': bad = bad | ~torch.isfinite(gn)
@@ -624,11 +667,16 @@ def _after_update(self:Trainer, logs:dict, bar):
 @patch
 def _checkpoint(self:Trainer) -> Path:
     model = self.acc.unwrap_model(self.model)
-    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-    if bad is not None:   # never write a checkpoint that a resume (or `latest`) would take for a good one
-        raise NonFiniteLossError(f"step {self.step}: parameter {bad} is not finite; no checkpoint written. The last good "
+    named = list(model.named_parameters())
+    # each rank checks its slice (FSDP2) or its replica; the first bad index over all ranks decides, so every rank stops alike
+    local = next((i for i, (_, p) in enumerate(named) if not torch.isfinite(p.to_local() if is_sharded(p) else p).all()), len(named))
+    sharded = bool(named) and is_sharded(named[0][1])
+    first = int(self.acc.gather(torch.tensor([local], device=self.acc.device)).min()) if sharded and self.acc.num_processes > 1 else local
+    if first < len(named):   # never write a checkpoint that a resume (or `latest`) would take for a good one
+        raise NonFiniteLossError(f"step {self.step}: parameter {named[first][0]} is not finite; no checkpoint written. The last good "
                                  f"checkpoint is {latest_checkpoint(self.ckpt_dir)}.")
-    tensors = {EMA_FILE: {str(i): t for i, t in enumerate(self.ema.shadow_params)}} if self.ema else None
+    # the EMA file holds whole tensors whatever the sharding (every rank gathers, the main process writes)
+    tensors = {EMA_FILE: {str(i): full_tensor(t) for i, t in enumerate(self.ema.shadow_params)}} if self.ema else None
     try: self.last_ckpt = save_checkpoint(self.acc, self.ckpt_dir, self.step, self._trainer_state(), self.info, self.cfg.checkpoints_total_limit,
                                           tensors=tensors)
     except (OSError, RuntimeError) as e:
@@ -660,23 +708,27 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
     "Save the trained (EMA) model with `task.save_pretrained`, `model.save_pretrained` or safetensors; main process only."
     path = Path(path or self.out/'model')
     self.acc.wait_for_everyone()
-    if self.acc.is_main_process:
-        model = self.acc.unwrap_model(self.model)
-        if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if hasattr(self.task, 'save_pretrained'): self.task.save_pretrained(path)
-            elif hasattr(model, 'save_pretrained'): model.save_pretrained(path)
-            else:
-                from safetensors.torch import save_file
-                save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path/'model.safetensors'))
-        except (OSError, RuntimeError) as e:
-            if not disk_full(e): raise
-            raise DiskFullError(f"no space left to save the model in {path} ({free_gib(path)} free). The run's checkpoints are intact "
-                                f"(latest: {latest_checkpoint(self.ckpt_dir)}): free space and export it with scripts/export_checkpoint.py.") from None
-        finally:
-            if self.ema: self.ema.restore(ema_parameters(model))
-        if getattr(self, 'info', None): write_atomic(path/'run_info.json', json.dumps(self.info | {'step': self.step}, indent=1))  # what made these weights
+    model = self.acc.unwrap_model(self.model)
+    # every rank swaps in its (slice of the) EMA and, under FSDP2, gathers the full weights; the main process writes
+    if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
+    try:
+        with gathered(model):
+            if self.acc.is_main_process:
+                try:
+                    path.mkdir(parents=True, exist_ok=True)
+                    if hasattr(self.task, 'save_pretrained'): self.task.save_pretrained(path)
+                    elif hasattr(model, 'save_pretrained'): model.save_pretrained(path)
+                    else:
+                        from safetensors.torch import save_file
+                        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path/'model.safetensors'))
+                except (OSError, RuntimeError) as e:
+                    if not disk_full(e): raise
+                    raise DiskFullError(f"no space left to save the model in {path} ({free_gib(path)} free). The run's checkpoints are intact "
+                                        f"(latest: {latest_checkpoint(self.ckpt_dir)}): free space and export it with scripts/export_checkpoint.py.") from None
+    finally:
+        if self.ema: self.ema.restore(ema_parameters(model))
+    if self.acc.is_main_process and getattr(self, 'info', None):
+        write_atomic(path/'run_info.json', json.dumps(self.info | {'step': self.step}, indent=1))  # what made these weights
     self.acc.wait_for_everyone()
     return path
 
@@ -753,11 +805,12 @@ def _save_initial_model(self:Trainer) -> Path|None:
     path = self.out/INITIAL_MODEL
     reloads = hasattr(type(self.task), 'from_pretrained') or hasattr(type(self.task), 'policy_class')   # policy_class: rebuilt with run_info.json (GRPO)
     if not (hasattr(self.task, 'save_pretrained') and reloads) or path.exists(): return None
-    if self.acc.is_main_process:
-        tmp = self.out/f"{TMP_PREFIX}{INITIAL_MODEL}"
-        if tmp.exists(): shutil.rmtree(tmp)
-        self.task.save_pretrained(tmp)
-        os.rename(tmp, path)
+    with gathered(self.acc.unwrap_model(self.model)):   # FSDP2: every rank gathers, the main process writes
+        if self.acc.is_main_process:
+            tmp = self.out/f"{TMP_PREFIX}{INITIAL_MODEL}"
+            if tmp.exists(): shutil.rmtree(tmp)
+            self.task.save_pretrained(tmp)
+            os.rename(tmp, path)
     self.acc.wait_for_everyone()
     return path
 

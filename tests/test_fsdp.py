@@ -1,0 +1,95 @@
+"""The shared loop under FSDP2 on 2 gloo CPU ranks (`accelerate launch --use_fsdp --fsdp_version 2`, as on GPUs; the loop
+turns FSDP on for CPU ranks, where accelerate leaves it off): the same losses and weights as DDP on the same data,
+each rank holding about half of the parameters, exact resume from a sharded checkpoint, and an exported folder that
+diffusers' pipeline loads. tests/dist_probe.py records what each rank held."""
+import json, shutil, sys
+from pathlib import Path
+import pytest, torch
+from conftest import ROOT, free_port, launch, rank_records, run
+
+ARGS = ['--max_steps', 4, '--batch_size', 4, '--lr', 1e-3, '--warmup_steps', 0, '--tracker', 'none', '--sample_every', 100,
+        '--checkpoint_every', 2, '--ema', '--ema_decay', 0.9]
+FSDP = ['--config_file', str(ROOT/'scripts'/'configs'/'accelerate'/'fsdp2.yaml')]   # the file users launch with on GPUs
+
+
+def launch_fsdp(script, *args, probe=None, timeout=600):
+    "`launch` with the repository's FSDP2 accelerate config (2 CPU ranks, no mixed precision: command-line flags override the file)."
+    target = [str(ROOT/'tests'/'dist_probe.py'), str(probe)] if probe else []
+    cmd = [str(Path(sys.executable).parent/'accelerate'), 'launch', *FSDP, '--num_processes', '2', '--num_machines', '1',
+           '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port', str(free_port()), *target,
+           str(ROOT/script), *map(str, args)]
+    return run(cmd, env={'ACCELERATE_USE_CPU': '1'}, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def shapes(tmp_path_factory):
+    d = tmp_path_factory.mktemp('shapes')
+    run([sys.executable, 'scripts/make_shapes.py', '--out', str(d), '--n_train', '32', '--n_validation', '0', '--n_test', '0'])
+    return d/'imagefolder'/'train'
+
+
+@pytest.fixture(scope='module')
+def runs(shapes, tmp_path_factory):
+    "The tiny latent diffusion model trained 4 steps on 2 ranks, once under DDP and once under FSDP2, from the same seed and data."
+    d = tmp_path_factory.mktemp('fsdp')
+    launch('scripts/train_ldm.py', '--output_dir', d/'ddp', '--dataset', shapes, *ARGS, probe=d/'probe_ddp')
+    launch_fsdp('scripts/train_ldm.py', '--output_dir', d/'fsdp', '--dataset', shapes, *ARGS, probe=d/'probe_fsdp')
+    return d, rank_records(d/'probe_ddp', 2), rank_records(d/'probe_fsdp', 2)
+
+
+def unet(run_dir):
+    from safetensors.torch import load_file
+    return load_file(str(Path(run_dir)/'model'/'unet'/'diffusion_pytorch_model.safetensors'))
+
+
+def max_diff(a:dict, b:dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_fsdp_trains_like_ddp(runs):
+    """The same losses, and weights (model and EMA) within 1e-4 after 4 AdamW steps at lr 1e-3: FSDP2 reduce-scatters
+    the gradients where DDP all-reduces them, so sums round in another order (~1e-7 relative); Adam's first steps divide
+    by the gradient's own size, so a weight may move by up to ~lr times that rounding's relative effect, far below 1e-4
+    (measured: 2.3e-5). A broken gather or an unsynchronised rank moves weights by the learning rate itself (1e-3)."""
+    d, ddp, fsdp = runs
+    for r in (0, 1): assert fsdp[r]['losses'] == pytest.approx(ddp[r]['losses'], rel=1e-6, abs=1e-7), (fsdp[r]['losses'], ddp[r]['losses'])
+    assert max_diff(unet(d/'ddp'), unet(d/'fsdp')) < 1e-4
+    from safetensors.torch import load_file
+    ema = [load_file(str(d/r/'checkpoints'/'step_00000004'/'ema.safetensors')) for r in ('ddp', 'fsdp')]
+    assert max_diff(*ema) < 1e-4
+    assert (d/'fsdp'/'checkpoints'/'step_00000004'/'pytorch_model_fsdp_0'/'.metadata').is_file()   # a sharded checkpoint
+
+
+def test_each_rank_holds_half_the_parameters(runs):
+    "Under FSDP2 each rank keeps its slice (about half); under DDP each keeps all of them."
+    _, ddp, fsdp = runs
+    whole = ddp[0]['param_numel']
+    assert ddp[0]['params'].numel() == ddp[1]['params'].numel() == whole
+    held = [fsdp[r]['params'].numel() for r in (0, 1)]
+    assert sum(held) == whole and all(0.4 * whole < h < 0.6 * whole for h in held), (held, whole)
+
+
+def test_fsdp_resume_is_exact(runs, shapes, tmp_path):
+    "Resumed from the sharded step-2 checkpoint, the run ends with the uninterrupted run's weights and EMA, bit for bit."
+    d, _, _ = runs
+    res = tmp_path/'res'
+    res.mkdir()
+    for name in ('checkpoints', 'config.yaml', 'initial_model', 'run_info.json'):
+        (shutil.copytree if (d/'fsdp'/name).is_dir() else shutil.copy)(d/'fsdp'/name, res/name)
+    shutil.rmtree(res/'checkpoints'/'step_00000004'); (res/'checkpoints'/'latest').write_text('step_00000002')
+    p = launch_fsdp('scripts/train_ldm.py', '--output_dir', res, '--dataset', shapes, *ARGS, probe=tmp_path/'probe')
+    assert 'resuming from' in p.stdout + p.stderr
+    assert rank_records(tmp_path/'probe', 2)[0]['start_step'] == 2
+    assert max_diff(unet(d/'fsdp'), unet(res)) == 0
+    from safetensors.torch import load_file
+    assert max_diff(*[load_file(str(x/'checkpoints'/'step_00000004'/'ema.safetensors')) for x in (d/'fsdp', res)]) == 0
+
+
+def test_fsdp_export_loads_in_diffusers(runs):
+    "The folder saved from the sharded model is whole: StableDiffusionPipeline loads it, with the DDP run's weights."
+    from diffusers import StableDiffusionPipeline
+    d, _, _ = runs
+    pipe = StableDiffusionPipeline.from_pretrained(str(d/'fsdp'/'model'), safety_checker=None)
+    sd = {k: v for k, v in pipe.unet.state_dict().items()}
+    assert max_diff(sd, unet(d/'ddp')) < 1e-4
