@@ -362,6 +362,20 @@ def find_checkpoint(run_dir:str|Path, step:int|str|None=None) -> Path:
         raise FileNotFoundError(f"{run_dir}: no complete checkpoint for step {step}; the run has steps {have}.")
     return c
 
+def _sharded_weights(folder:Path, module) -> dict:
+    """The whole weights of FSDP2 checkpoint folder `folder` (accelerate's `pytorch_model_fsdp_0/`: every rank's slices
+    and their index), as `module.state_dict()` names them, put together in this one process (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+    try: check_sharded_folder(folder)
+    except Exception as e: raise CheckpointError(f"{folder} cannot be read safely ({type(e).__name__}: {str(e)[:200]}).") from None
+    with open(folder/'.metadata', 'rb') as fh: keys = set(_ShardIndexUnpickler(fh).load().state_dict_metadata)
+    own = {f'model.{k}': v.detach().clone() for k, v in module.state_dict().items()}   # accelerate saves under 'model.'
+    if keys != set(own): return {k.removeprefix('model.'): None for k in keys}   # names that do not fit: refused below
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')   # "no process group: loading as one process"
+        dcp.load(own, checkpoint_id=str(folder), no_dist=True)
+    return {k.removeprefix('model.'): v for k, v in own.items()}
+
 def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
     "Copy checkpoint `ckpt`'s trained weights (its EMA weights with `ema`) into `module`, which must have the trained module's architecture."
     import torch
@@ -373,11 +387,12 @@ def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
         with torch.no_grad():
             for (_, p), s in zip(ema_targets(module, shadow, ckpt), shadow): p.copy_(s.to(p.dtype))
         return module
-    f = ckpt/'model.safetensors'
-    if not f.exists(): raise FileNotFoundError(f"{f} not found: {ckpt} is not a checkpoint written by the training loop.")
-    sd, own = load_file(str(f)), module.state_dict()
+    f, sharded = ckpt/'model.safetensors', ckpt/'pytorch_model_fsdp_0'
+    if not f.exists() and (sharded/'.metadata').is_file(): sd, own = _sharded_weights(sharded, module), module.state_dict()
+    elif not f.exists(): raise FileNotFoundError(f"{f} not found: {ckpt} is not a checkpoint written by the training loop.")
+    else: sd, own = load_file(str(f)), module.state_dict()
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-    bad = [k for k in own if k in sd and own[k].shape != sd[k].shape]
+    bad = [k for k in own if sd.get(k) is not None and own[k].shape != sd[k].shape]
     if missing or extra or bad:
         raise ValueError(f"{ckpt} does not fit {type(module).__name__} (a checkpoint of another model?): "
                          + '; '.join(x for x in (f"missing {missing[:3]}" if missing else '', f"unexpected {extra[:3]}" if extra else '',

@@ -89,6 +89,7 @@ class TrainConfig(Config):
     torch_compile: bool = False         # torch.compile the trained module (opt-in; check_compiled_gradients compares a model's compiled gradients with eager)
     torch_compile_backend: str = 'inductor'  # torch.compile backend ('aot_eager': traced, no code generation)
     torch_compile_mode: str|None = None # torch.compile mode: None (default), 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'
+    ddp_timeout: int = 1800             # seconds a rank waits for the others at a collective before the run fails (transformers' --ddp_timeout): raise it when rank 0 validates, caches or writes for long
 
     presets: ClassVar[dict[str, dict]] = {
         'default': {},
@@ -104,7 +105,7 @@ class TrainConfig(Config):
         if self.tracker not in TRACKERS: bad('tracker', f"choose one of {TRACKERS}.")
         if self.lr_scheduler not in [s.value for s in SchedulerType]: bad('lr_scheduler', f"choose one of {[s.value for s in SchedulerType]}.")
         if self.max_steps is None and self.epochs is None: bad('max_steps', "set max_steps or epochs.")
-        for f in ('grad_accum', 'log_every', 'batch_size', 'n_samples'):
+        for f in ('grad_accum', 'log_every', 'batch_size', 'n_samples', 'ddp_timeout'):
             if getattr(self, f) < 1: bad(f, "must be >= 1.")
         for f in ('max_steps', 'epochs', 'checkpoint_every', 'checkpoints_total_limit', 'sample_every', 'eval_steps', 'early_stopping_patience'):
             if getattr(self, f) is not None and getattr(self, f) < 1: bad(f, "must be >= 1 or None.")
@@ -201,7 +202,11 @@ def make_accelerator(cfg:TrainConfig, **kwargs) -> Accelerator:
     single = bool(PartialState._shared_state) and not PartialState().use_distributed
     AcceleratorState._reset_state(reset_partial_state=single); GradientState._reset_state()
     destroy_process_group_at_exit()   # a rank that exits with its group alive can abort after finishing (98_diagnostics)
-    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
+    from accelerate.utils import InitProcessGroupKwargs
+    handlers = list(kwargs.pop('kwargs_handlers', None) or [])
+    if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+        handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.ddp_timeout)))
+    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum, kwargs_handlers=handlers,
                       log_with=None if cfg.tracker == 'none' else cfg.tracker,
                       project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir)/'logs')),
                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed), **kwargs)
