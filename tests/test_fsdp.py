@@ -134,3 +134,14 @@ def test_family_trains_like_ddp(family, tmp_path):
     a, b = folder_tensors(tmp_path/'ddp'/'model'), folder_tensors(tmp_path/'fsdp'/'model')
     assert a.keys() == b.keys() and max(max_diff({k: a[k]}, {k: b[k]}) for k in a) < 1e-4
     assert (tmp_path/'fsdp'/'checkpoints'/'step_00000004'/'pytorch_model_fsdp_0'/'.metadata').is_file()
+
+
+def test_sharded_checkpoint_without_fsdp_is_refused_clearly(runs, shapes, tmp_path):
+    "A sharded checkpoint resumed by one process (no FSDP) stops in one line that says how to resume it or export it."
+    d, _, _ = runs
+    res = tmp_path/'res'
+    shutil.copytree(d/'fsdp', res)
+    shutil.rmtree(res/'model')
+    p = run([sys.executable, 'scripts/train_ldm.py', '--output_dir', str(res), '--dataset', str(shapes), *map(str, ARGS), '--max_steps', '6'], check=False)
+    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    assert 'was written under FSDP2' in p.stderr and 'export_checkpoint.py' in p.stderr

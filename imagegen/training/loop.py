@@ -384,6 +384,13 @@ def _resume(self:Trainer) -> Path|None:
     if self.cfg.resume is None: return None
     ckpt = self._pick_checkpoint()
     if ckpt is None: return None
+    written_sharded, fsdp = (ckpt/'pytorch_model_fsdp_0').is_dir(), self.acc.distributed_type == DistributedType.FSDP
+    if written_sharded != fsdp:   # torch's distributed checkpoint reshards to any number of ranks, but not to or from DDP
+        how = ("under FSDP2 (each rank's slices): resume it under FSDP2, on any number of ranks (accelerate launch "
+               "--config_file scripts/configs/accelerate/fsdp2.yaml)") if written_sharded else \
+              "without sharding (DDP or one process): resume it that way, on any number of ranks"
+        raise CheckpointError(f"{ckpt} was written {how}; or export its weights with scripts/export_checkpoint.py and start "
+                              "a new run from them (--pretrained_model_name_or_path) in a new output_dir.")
     try: self.acc.load_state(str(ckpt))   # model (safetensors), optimizer and random states (weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{ckpt} does not load into this run ({type(e).__name__}: {str(e)[:300]}): a checkpoint of another "
