@@ -3,7 +3,7 @@
 from __future__ import annotations
 import importlib.util, json, os, socket, subprocess, sys, tempfile
 from pathlib import Path
-from imagegen.config import run_script
+from imagegen.config import ConfigError, run_script
 
 def _bench_training():
     "scripts/bench_training.py as a module (its UNet, task and data)."
@@ -23,40 +23,53 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
                           nan_max_consecutive=steps, nan_max_total=steps)
         acc = make_accelerator(cfg)   # the launch's ranks (a bare PartialState on CPU ranks can see one)
         n = acc.num_processes
-        res = train(bt.NoisePrediction(bt.tiny_unet(resolution)), bt.bench_data(steps * batch_size * n, batch_size, resolution), cfg, accelerator=acc)
+        task = bt.NoisePrediction(bt.tiny_unet(resolution))
+        res = train(task, bt.bench_data(steps * batch_size * n, batch_size, resolution), cfg, accelerator=acc)
+    # the weights this rank holds after training (its slices under FSDP2): gradients and AdamW's two moments are
+    # sharded the same way and are float32 too, so the training state per rank is 4x this
+    held = sum((p.to_local() if hasattr(p, 'to_local') else p).numel() * p.element_size() for p in task.trainable.parameters())
+    whole = sum(p.numel() * p.element_size() for p in task.trainable.parameters())
+    held = acc.gather(torch.tensor([held], device=acc.device)).max().item()   # the fullest rank
     if acc.is_main_process:
         dev = torch.cuda.get_device_name(acc.device) if acc.device.type == 'cuda' else 'cpu'
-        Path(out).write_text(json.dumps({'processes': n, 'images_per_s': res['images_per_s'], 'device': dev, 'bad_steps': res['bad_steps']}))
+        Path(out).write_text(json.dumps({'processes': n, 'images_per_s': res['images_per_s'], 'device': dev, 'bad_steps': res['bad_steps'],
+                                         'sharding': 'fsdp2' if acc.distributed_type == 'FSDP' else 'ddp' if n > 1 else '-',
+                                         'weights_mib_per_rank': held / 2**20, 'weights_mib': whole / 2**20}))
 
 def _port() -> int:
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
-def launch_command(n:int, gpus:int, cores:int, args:list[str]) -> tuple[list[str], dict]:
-    "The `accelerate launch` command and environment of an `n`-process run: one GPU per process, else CPU ranks splitting `cores`."
+def launch_command(n:int, gpus:int, cores:int, args:list[str], sharding:str='ddp') -> tuple[list[str], dict]:
+    "The `accelerate launch` command and environment of an `n`-process run (`sharding` 'ddp' or 'fsdp2': the repository's accelerate config): one GPU per process, else CPU ranks splitting `cores`."
     if gpus and n > gpus: raise ValueError(f"--num_processes {n}: this machine has {gpus} GPU(s); on GPUs each process needs its own.")
+    if sharding not in ('ddp', 'fsdp2'): raise ValueError(f"--sharding {sharding!r}: 'ddp' or 'fsdp2'.")
+    fsdp2 = Path(__file__).resolve().parent/'configs'/'accelerate'/'fsdp2.yaml'   # what users launch with
+    how = ['--config_file', str(fsdp2)] if sharding == 'fsdp2' and n > 1 else ['--multi_gpu'] if n > 1 else []
     cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--num_processes', str(n), '--num_machines', '1', '--dynamo_backend', 'no',
-           '--main_process_port', str(_port()), *(['--multi_gpu'] if n > 1 else [])]
+           '--main_process_port', str(_port()), *how]
     env = dict(os.environ)
     if not gpus:
         env['ACCELERATE_USE_CPU'] = '1'
         cmd += ['--num_cpu_threads_per_process', str(max(1, cores // n))]
     return cmd + [str(Path(__file__).resolve()), *args], env
 
-def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, resolution:int=32, mixed_precision:str='no') -> list[dict]:
+def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, resolution:int=32, mixed_precision:str='no',
+                  sharding:list[str]=('ddp',)) -> list[dict]:
     "Images/s of the shared loop with each process count of `num_processes`, each a whole `accelerate launch`. Scaling efficiency against the first count: on GPUs images/s over that count's scaled by the processes; on CPU ranks, which share the same cores, images/s over that count's."
     import torch
     if not num_processes or min(num_processes) < 1: raise ValueError(f"--num_processes {num_processes}: give counts >= 1, e.g. 1,2.")
     gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
     rows = []
-    for n in num_processes:
+    runs = [(n, s) for n in num_processes for s in (sharding if n > 1 else sharding[:1])]   # one process shards nothing
+    for n, how in runs:
         with tempfile.TemporaryDirectory() as d:
             out = Path(d)/'result.json'
             cmd, env = launch_command(n, gpus, cores, ['--child', '--out', str(out), '--steps', str(steps), '--batch_size', str(batch_size),
-                                                      '--resolution', str(resolution), '--mixed_precision', mixed_precision])
+                                                      '--resolution', str(resolution), '--mixed_precision', mixed_precision], how)
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode or not out.exists():
                 tail = '\n'.join((p.stderr or p.stdout).strip().splitlines()[-15:])
-                raise RuntimeError(f"the {n}-process run failed (exit status {p.returncode}):\n{tail}")
+                raise RuntimeError(f"the {n}-process {how} run failed (exit status {p.returncode}):\n{tail}")
             rows.append(json.loads(out.read_text()))
     for r in rows:   # GPUs: each process brings a device; CPU ranks share the same cores, so the machine's throughput is compared
         r['per_process'] = r['images_per_s'] / r['processes']
@@ -66,15 +79,18 @@ def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, reso
 
 def table(rows:list[dict]) -> str:
     "A Markdown table of `bench_scaling` rows."
-    head = "| processes | device | threads per process | images/s | per process | scaling efficiency |\n|---:|---|---:|---:|---:|---:|"
-    return '\n'.join([head] + [f"| {r['processes']} | {r['device']} | {r['threads_per_process'] or ''} | {r['images_per_s']:.1f} | "
-                                f"{r['per_process']:.1f} | {r['efficiency']:.3f} |" for r in rows])
+    head = ("| processes | sharding | device | threads per process | images/s | per process | scaling efficiency | weights per rank (MiB) |"
+            "\n|---:|---|---|---:|---:|---:|---:|---:|")
+    return '\n'.join([head] + [f"| {r['processes']} | {r.get('sharding', '-')} | {r['device']} | {r['threads_per_process'] or ''} | {r['images_per_s']:.1f} | "
+                                f"{r['per_process']:.1f} | {r['efficiency']:.3f} | {r.get('weights_mib_per_rank', float('nan')):.2f} of {r.get('weights_mib', float('nan')):.2f} |"
+                                for r in rows])
 
 def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: at most the GPUs of the node)
          steps:int=40, # optimizer updates per run (the first 2 untimed)
          batch_size:int=16, # images per process and step
          resolution:int=32, # latent resolution of the benchmark UNet
          mixed_precision:str='no', # 'no' | 'fp16' | 'bf16'
+         sharding:str='ddp', # comma-separated: ddp (a replica per process), fsdp2 (scripts/configs/accelerate/fsdp2.yaml)
          json_out:str=None, # also write the rows here
          child:bool=False, # internal: one process of a launch
          out:str=None, # internal: where the child writes its result
@@ -82,7 +98,9 @@ def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: a
     "Print the shared training loop's images/s and scaling efficiency at each process count."
     if child: return globals()['child'](out, steps, batch_size, resolution, mixed_precision)
     counts = [int(x) for x in str(num_processes).split(',') if x.strip()]
-    rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision)
+    shards = [x.strip() for x in sharding.split(',') if x.strip()]
+    if not shards or set(shards) - {'ddp', 'fsdp2'}: raise ConfigError(f"--sharding {sharding!r}: give ddp, fsdp2 or ddp,fsdp2.")
+    rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision, shards)
     print(f"steps {steps}, batch {batch_size} per process, {resolution} px latents, mixed precision {mixed_precision}\n" + table(rows))
     if bad := [f"{r['processes']} process(es): {r['bad_steps']}" for r in rows if r.get('bad_steps')]:
         print("steps skipped for a non-finite loss or gradient (timed all the same): " + ', '.join(bad))
