@@ -49,8 +49,13 @@ sysdeps:
 # SLOW=1 also runs the pytest tests marked slow (second variants of heavy end-to-end checks: the GLIDE main job, the GPT
 # editor on two ranks, ...); CI runs without it.
 SLOW ?=
+# pytest runs two test files at a time (pytest-xdist, --dist loadfile: a file's fixtures are built once, in one
+# worker). Much of the suite waits on single-threaded work (interpreter start-up and imports of the scripts it runs),
+# which a second worker overlaps (the figures: nbs/experiments/11_test_suite_timings.ipynb). TEST_WORKERS=1 runs
+# one file at a time.
+TEST_WORKERS ?= 2
 test: check sysdeps
-	$(PY) -m pytest tests -q -p no:cacheprovider $(if $(SLOW),--slow)
+	$(PY) -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(if $(SLOW),--slow)
 	$(MAKE) --no-print-directory nbtest
 	@untracked=$$(git ls-files --others --exclude-standard imagegen scripts nbs 2>/dev/null); \
 	if [ -n "$$untracked" ]; then echo "generated or new files not added to git: $$untracked (git add them)"; exit 1; fi

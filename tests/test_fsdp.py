@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest, torch
 from conftest import ROOT, free_port, launch, rank_records, run
 
-ARGS = ['--max_steps', 4, '--batch_size', 4, '--lr', 1e-3, '--warmup_steps', 0, '--tracker', 'none', '--sample_every', 100,
+ARGS = ['--max_steps', 4, '--batch_size', 4, '--lr', 1e-3, '--warmup_steps', 0, '--tracker', 'none', '--sample_every', 2, '--n_samples', 2,
         '--checkpoint_every', 2, '--ema', '--ema_decay', 0.9]
 FSDP = ['--config_file', str(ROOT/'scripts'/'configs'/'accelerate'/'fsdp2.yaml')]   # the file users launch with on GPUs
 
@@ -61,6 +61,15 @@ def test_fsdp_trains_like_ddp(runs):
     ema = [load_file(str(d/r/'checkpoints'/'step_00000004'/'ema.safetensors')) for r in ('ddp', 'fsdp')]
     assert max_diff(*ema) < 1e-4
     assert (d/'fsdp'/'checkpoints'/'step_00000004'/'pytorch_model_fsdp_0'/'.metadata').is_file()   # a sharded checkpoint
+
+
+def test_fsdp_validation_grids_every_rank_samples_one_writes(runs):
+    "Validation sampling from the sharded model (every rank runs the forwards, which gather weights): rank 0 writes the grids, the same as DDP's."
+    d, _, fsdp = runs
+    for step in (2, 4): assert (d/'fsdp'/'samples'/f'step_{step:08d}.png').is_file()
+    assert not [p for _, p in fsdp[1]['writes'] if 'samples' in p and p.endswith('.png')]
+    from conftest import assert_same_image
+    assert_same_image(d/'ddp'/'samples'/'step_00000004.png', d/'fsdp'/'samples'/'step_00000004.png', levels=2, share=0.02)
 
 
 def test_each_rank_holds_half_the_parameters(runs):

@@ -13,9 +13,9 @@ from ..config import UserError, free_space, size_text
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
            'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
            'DiskFullError', 'disk_full', 'free_gib', 'check_sharded_folder', 'check_checkpoint', 'usable_checkpoint',
-           'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'full_tensor', 'shard_like', 'gathered',
-           'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir', 'release_run_lock', 'Preempted',
-           'find_checkpoint', 'load_trained_weights']
+           'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'full_tensor', 'shard_like', 'resharded',
+           'gathered', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir', 'release_run_lock',
+           'Preempted', 'find_checkpoint', 'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -237,6 +237,13 @@ def shard_like(full, like):
     if not is_sharded(like): return full
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+def resharded(model):
+    "Every FSDP2 unit of `model` back to its slices (the root unit stays gathered after a forward without a backward, as in sampling); nothing happens for an unsharded model."
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule): m.reshard()
+    return model
 
 @contextlib.contextmanager
 def gathered(model):

@@ -23,7 +23,7 @@ from ..diagnostics import destroy_process_group_at_exit
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
                                           CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
-                                          ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, shard_like, size_text,
+                                          ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, resharded, shard_like, size_text,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
                                           write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
@@ -533,7 +533,10 @@ def _log_images(self:Trainer, grid:Image.Image, path:Path):
 # %% ../../nbs/02c_loop.ipynb #8d096ac8
 @patch
 def _sample(self:Trainer):
-    if not hasattr(self.task, 'sample') or not self.acc.is_main_process: return None
+    # under FSDP2 every forward gathers weights from every rank, so every rank samples (the same prompts and steps) and
+    # the main process writes; elsewhere the main process samples alone
+    sharded = self.acc.distributed_type == DistributedType.FSDP
+    if not hasattr(self.task, 'sample') or not (self.acc.is_main_process or sharded): return None
     model = self.acc.unwrap_model(self.model)
     was_training = model.training
     if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
@@ -542,10 +545,11 @@ def _sample(self:Trainer):
         n = len(self.cfg.validation_prompts) if self.cfg.validation_prompts else self.cfg.n_samples
         with torch.no_grad(): out = self.task.sample(n, self.step)
     finally:
+        resharded(model)   # FSDP2: the root unit stays gathered after a forward without backward; the EMA swaps slices
         if self.ema: self.ema.restore(ema_parameters(model))
         model.train(was_training)
     images, captions = out if isinstance(out, tuple) else (out, None)
-    if not images: return None
+    if not images or not self.acc.is_main_process: return None
     path = self.out/'samples'/f"{CKPT_PREFIX}{self.step:08d}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     grid = make_grid(images, captions=captions, min_cell=128); grid.save(path)
@@ -752,7 +756,7 @@ def _evaluate(self:Trainer, bar=None) -> dict:
     "Score the current (EMA) weights with `task.evaluate(step)` on the main process; log the scores, keep the best model, count towards early stopping."
     from accelerate.utils import broadcast_object_list
     cfg, acc, scores = self.cfg, self.acc, None
-    if acc.is_main_process:
+    if acc.is_main_process or acc.distributed_type == DistributedType.FSDP:   # FSDP2: every rank runs the (collective) forwards; the main process's scores count
         model = self.acc.unwrap_model(self.model)
         was_training = model.training
         if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
@@ -760,9 +764,10 @@ def _evaluate(self:Trainer, bar=None) -> dict:
             model.eval()
             with torch.no_grad(): scores = {str(k): float(v) for k, v in self.task.evaluate(self.step).items()}
         finally:
+            resharded(model)
             if self.ema: self.ema.restore(ema_parameters(model))
             model.train(was_training)
-    if acc.num_processes > 1: scores = broadcast_object_list([scores])[0]
+    if acc.num_processes > 1: scores = broadcast_object_list([scores if acc.is_main_process else None])[0]
     if cfg.tracker != 'none': acc.log({f'eval/{k}': v for k, v in scores.items()}, step=self.step)
     m = cfg.metric_for_best_model
     if m is None: return scores
