@@ -85,6 +85,12 @@ class RunPolicy:
     "What every GRPO task shares: for export, `policy_class` names the class whose `from_run(path, info)` rebuilds a run's policy from its `initial_model/` and `run_info.json` (`scripts/export_checkpoint.py` and the loop read the name; this module imports none of it, `imagegen.rl.run` sits above)."
     policy_class = 'imagegen.rl.run.GRPOPolicy'
 
+    def setup(self, accelerator, model):
+        "Called by the loop once the model is prepared. Under FSDP2 it refuses to start: the rollouts call the policy's parts outside its sharded forward, which sharded weights do not allow yet (a one-line error before any rollout, not a DTensor error in the first one)."
+        if accelerator.distributed_type == 'FSDP':
+            raise ConfigError("GRPO does not run under FSDP2 yet: its rollouts call the policy's parts outside the sharded forward. "
+                              "Launch it with DDP (accelerate launch --multi_gpu ...), without the FSDP config.")
+
 # %% ../../nbs/06b_grpo.ipynb #a7c3e2d2
 class Trainables(nn.Module):
     "Several trainable modules as one (one optimizer, one checkpoint, one DDP wrapper): `forward(name, *args, **kwargs)` calls the named one."
