@@ -222,7 +222,7 @@ def fsdp_on_cpu_ranks(acc:Accelerator, plugin=None) -> bool:
     FSDP only for accelerator devices, but torch's FSDP2 (`fully_shard`) shards, trains and checkpoints on CPU ranks
     too; with the state switched, accelerate's own FSDP2 code (`prepare`, `save_state`, `get_state_dict`) runs as on GPUs.
     FSDP1 stays refused there. Returns whether it switched."""
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import FullyShardedDataParallelPlugin
     if not fsdp_requested() or acc.distributed_type != DistributedType.MULTI_CPU: return False
     plugin = plugin or FullyShardedDataParallelPlugin()   # the launcher's FSDP_* variables
     if plugin.fsdp_version != 2:
@@ -302,7 +302,7 @@ def _setup(self:Trainer, dataloader):
     # a loader that shards itself (WebDataset shards, `dl.self_sharded`) is not prepared: accelerate would dispatch
     # rank 0's share to every rank (and fail on the caption strings); its batches are moved to the device in `_run_epoch`
     self.self_sharded = bool(getattr(dataloader, 'self_sharded', False))
-    if acc.distributed_type == DistributedType.FSDP: self.fsdp_units = fsdp_wrap_policy(acc.state.fsdp_plugin, model, getattr(self.task, 'fsdp_blocks', None))
+    if acc.distributed_type == DistributedType.FSDP: fsdp_wrap_policy(acc.state.fsdp_plugin, model, getattr(self.task, 'fsdp_blocks', None))
     if self.self_sharded: (self.model, self.opt), self.dl = acc.prepare(model, opt), dataloader
     else: self.model, self.opt, self.dl = acc.prepare(model, opt, dataloader)
     if cfg.torch_compile:   # after DDP wrapping, as accelerate's own dynamo plugin does; `acc.unwrap_model` sees through both
