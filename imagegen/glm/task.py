@@ -232,8 +232,9 @@ class PerPromptSampler:
     RNG seeded by that row's seed (what `GlmImagePipeline` does with its generator): the generation config's temperature,
     top-k and top-p in transformers' order, then one multinomial draw from the row's own generator. It returns the drawn
     token alone (every other logit -inf), so the sampling step after it can only take that token. transformers puts the
-    processors it is given before its own warpers, which is why this one applies them itself."""
-    def __init__(self, generation_config, seeds:list[int]):
+    processors it is given before its own warpers, which is why this one applies them itself. `record`: keep, for every
+    step, the drawn tokens, their log-probabilities and the support they were drawn from (`steps`; GRPO scores them again)."""
+    def __init__(self, generation_config, seeds:list[int], record:bool=False):
         from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
         unset = GenerationConfig._get_default_generation_params()    # what generate fills in for what the config leaves unset (top-k 50)
         t, k, p = (getattr(generation_config, n, None) for n in ('temperature', 'top_k', 'top_p'))
@@ -241,11 +242,17 @@ class PerPromptSampler:
         self.warpers = LogitsProcessorList(([TemperatureLogitsWarper(t)] if t != 1.0 else []) + ([TopKLogitsWarper(k)] if k else []) +
                                            ([TopPLogitsWarper(p)] if p < 1.0 else []))
         self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature, self.record, self.steps = float(t), record, []
 
     def __call__(self, input_ids:torch.Tensor, scores:torch.Tensor) -> torch.Tensor:
         if len(scores) != len(self.generators): raise ValueError(f"{len(scores)} rows for {len(self.generators)} seeds.")
-        probs = torch.softmax(self.warpers(input_ids, scores), dim=-1)
+        warped = self.warpers(input_ids, scores)
+        probs = torch.softmax(warped, dim=-1)
         pick = torch.cat([torch.multinomial(p[None].cpu(), 1, generator=g) for p, g in zip(probs, self.generators)]).to(scores.device)
+        if self.record:   # the support (top-k and top-p's survivors) as indices, padded with masked entries to the widest row
+            keep = warped > float('-inf')
+            idx = warped.topk(int(keep.sum(-1).max()), dim=-1).indices
+            self.steps.append((pick[:, 0], probs.gather(1, pick)[:, 0].log(), idx, keep.gather(1, idx)))
         return torch.full_like(scores, float('-inf')).scatter_(1, pick, 0.0)
 
 @patch
