@@ -12,7 +12,8 @@ from imagegen.training.loop import TRAIN_FLAGS, TrainConfig
 DEFAULTS = dict(train=TrainConfig(output_dir='runs/grpo', lr=3e-5, lr_scheduler='constant', warmup_steps=0, max_steps=200,
                                   checkpoint_every=50, sample_every=50, log_every=10, n_samples=8, tags={'task': 'grpo'}),
                 model=GRPORunConfig(), grpo=GRPOConfig())
-FLAGS = TRAIN_FLAGS + [Flag('--num_generations', 'grpo.group_size'), Flag('--beta', 'grpo.kl_coef'),
+FLAGS = TRAIN_FLAGS + [Flag('--train', 'model.stage'), Flag('--reward_ar', 'model.reward'), Flag('--reward_dit', 'model.decoder_reward'),
+                       Flag('--num_generations', 'grpo.group_size'), Flag('--beta', 'grpo.kl_coef'),
                        Flag('--epsilon', 'grpo.clip_range'), Flag('--num_iterations', 'model.inner_steps')]
 GRID_SEED = 10_000          # the before/after grids' prompts and images; rollouts draw theirs from the loop's random state
 
@@ -24,6 +25,9 @@ def policy_images(task, prompts:list[str], sources:list|None=None) -> list:
     family = family_of(task.model)
     if family == 'hybrid':                                                       # both stages with their own samplers, prompt i with seed i
         return [im for i, p in enumerate(prompts) for im in to_pil(task.model.generate([p], seed=i), value_range=(-1, 1))]
+    if family == 'glm':                                                          # the pipeline itself, with the rollouts' guidance and steps
+        return to_pil(task.model.generate(prompts, sources if task.editor else None, generator=gens, guidance_scale=task.g,
+                                          num_inference_steps=task.steps), value_range=(-1, 1))
     kw = {} if family.startswith('gpt') else {'guidance_scale': task.g}         # diffusion: the rollouts' guidance, the model's own sampler
     if task.editor: kw |= {'image': sources, 'image_guidance_scale': task.ig}
     return to_pil(task.model.generate(prompts, generator=gens, **kw), value_range=(-1, 1))
@@ -84,7 +88,7 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     return summary
 
 def main(argv:list[str]|None=None) -> dict:
-    "Fine-tune a latent GPT or latent diffusion model (text-to-image or editor) with GRPO on rewards (Shapes oracle, SSIM, OCR, CLIP score, ...); see --help."
+    "Fine-tune a latent GPT, latent diffusion model (text-to-image or editor), hybrid pipeline or GLM-Image (--train ar|dit|both, --mode t2i|i2i) with GRPO on rewards (Shapes oracle, SSIM, OCR, CLIP score, ...); see --help."
     run = parse_run(DEFAULTS, FLAGS, argv, description=main.__doc__, prog='train_grpo.py')
     return train_grpo(run['train'], run['model'], run['grpo'])
 

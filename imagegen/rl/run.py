@@ -4,7 +4,7 @@
 
 # %% ../../nbs/06e_grpo_run.ipynb #6e84a45e
 from __future__ import annotations
-import json, warnings
+import dataclasses, json, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -13,6 +13,8 @@ from ..config import Config, ConfigError
 from ..models import family_of, load_model, model_class_name
 from .diffusion import DiffusionGRPO, add_lora, save_with_lora
 from .gpt import GPTGRPO
+from ..glm.task import GlmImage
+from .glm import GlmGRPO, GlmPolicyStages
 from .hybrid import STAGES, HybridGRPO
 from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts, Trainables
 from .rewards import make_reward
@@ -41,21 +43,24 @@ class GRPORunConfig(Config):
     temperature: float|None = None            # rollouts' temperature; None: the model's sampling config
     ratio_on: str = 'guided'                  # importance ratio under the 'guided' distribution that sampled, or the 'conditional' one
     image_guidance_scale: float|None = None   # editors: guidance toward the source image (None: 1.5, the edit recipe's)
-    num_inference_steps: int = 10             # diffusion: DDIM steps of each rollout (evaluation samples with its own sampler and steps)
+    num_inference_steps: int = 10             # diffusion: DDIM steps of each rollout; GLM-Image: the DiT's flow-matching steps (evaluation samples with its own sampler and steps)
     eta: float = 1.0                          # diffusion: DDIM's noise scale in rollouts (> 0; 1: DDPM's variance)
-    train_steps: int|None = None              # diffusion: the first K stochastic steps of each rollout are trained; None: all
-    lora_rank: int|None = None                # diffusion: LoRA adapters of this rank on the UNet's attention (None: full fine-tuning)
+    train_steps: int|None = None              # diffusion: the first K stochastic steps of each rollout are trained (GLM-Image's DiT: K from sde_start); None: all
+    lora_rank: int|None = None                # diffusion: LoRA adapters of this rank on the UNet's attention; GLM-Image: on each trained stage (None: full fine-tuning)
     lora_alpha: float|None = None             # diffusion: LoRA's alpha (None: the rank)
     train_text_encoder: bool = False          # diffusion: fine-tune the text encoder with the UNet (full fine-tuning; diffusers' flag)
     use_same_noise: bool = False              # diffusion: one starting noise per prompt, shared by its group (DanceGRPO's option)
     text_encoder_lr: float|None = None        # diffusion, with train_text_encoder: the text model's own learning rate (None: the run's; diffusers' flag)
     untrained_eta: float|None = None          # diffusion, with train_steps: DDIM's noise scale in the steps left untrained (None: eta; 0: deterministic, MixGRPO's ODE steps)
     num_validation_prompts: int = 0           # prompts (an editor's: edits with their source images) held out of the stream and scored with the run's reward at every train.eval_steps (0: none)
-    stage: str|None = None                    # hybrid: the stage GRPO trains, 'ar', 'decoder' or 'both' (None: both)
-    decoder_reward: dict[str, float]|None = None   # hybrid: the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`)
-    decoder_group_size: int|None = None       # hybrid: decodes per layout, the decoder's group (None: 2)
+    stage: str|None = None                    # hybrid and GLM-Image (--train): the stage GRPO trains, 'ar', 'decoder' (GLM-Image: 'dit') or 'both' (None: both)
+    decoder_reward: dict[str, float]|None = None   # hybrid and GLM-Image (--reward_dit): the decoder's reward weights, e.g. 'ssim=1' (None: the same as `reward`, --reward_ar)
+    mode: str|None = None                     # GLM-Image: 't2i' (prompts) or 'i2i' (Shapes edits: source image + instruction); None: the model's own
+    noise_level: float = 0.7                  # GLM-Image's DiT: the flow-matching SDE's noise level on the trained steps (Flow-GRPO's 0.7)
+    sde_start: int = 0                        # GLM-Image's DiT: the first trained (SDE) step of each rollout; train_steps of them from here, the ODE elsewhere
+    decoder_group_size: int|None = None       # hybrid, and GLM-Image training both stages: decodes per layout (token grid), the decoder's group (None: 2)
     decoder_guidance_scale: float|None = None # hybrid: the decoder's text guidance in rollouts (None: 1, the upsampler's default)
-    decoder_lr_scale: float|None = None       # hybrid, both stages: the decoder's learning rate as a multiple of the run's (None: 1)
+    decoder_lr_scale: float|None = None       # hybrid and GLM-Image, both stages: the decoder's (DiT's) learning rate as a multiple of the run's (None: 1)
     cache_dir: str|None = None                # Hub cache of the CLIP model
 
     presets: ClassVar[dict[str, dict]] = {'default': {}}
@@ -66,7 +71,11 @@ class GRPORunConfig(Config):
             try: setattr(self, f, {str(k): float(v) for k, v in getattr(self, f).items()})
             except (TypeError, ValueError, AttributeError): raise ConfigError(f"GRPORunConfig.{f}={getattr(self, f)!r}: give name=weight pairs, e.g. 'oracle=1,clip=0.5'.") from None
             if not getattr(self, f): raise ConfigError(f"GRPORunConfig.{f}={{}}: no reward named; give name=weight pairs, e.g. 'oracle=1,clip=0.5' (or leave it unset: the oracle).")
-        if self.stage is not None and self.stage not in STAGES: raise ConfigError(f"GRPORunConfig.stage={self.stage!r}: choose one of {', '.join(STAGES)}.")
+        if self.stage is not None and self.stage not in STAGES + ('dit',):
+            raise ConfigError(f"GRPORunConfig.stage={self.stage!r}: choose 'ar', 'decoder' (GLM-Image: 'dit') or 'both'.")
+        if self.mode not in (None, 't2i', 'i2i'): raise ConfigError(f"GRPORunConfig.mode={self.mode!r}: 't2i' (text to image) or 'i2i' (image to image).")
+        if not self.noise_level > 0: raise ConfigError(f"GRPORunConfig.noise_level={self.noise_level}: the DiT's trained steps need noise (> 0; Flow-GRPO: 0.7).")
+        if self.sde_start < 0: raise ConfigError(f"GRPORunConfig.sde_start={self.sde_start}: the first trained step, >= 0.")
         if self.ratio_on not in ('guided', 'conditional'): raise ConfigError(f"GRPORunConfig.ratio_on={self.ratio_on!r}: 'guided' or 'conditional'.")
         if self.prompt_level not in (1, 2): raise ConfigError(f"GRPORunConfig.prompt_level={self.prompt_level}: Shapes scenes have 1 or 2 objects.")
         if self.prompts_per_step < 1 or self.inner_steps < 1: raise ConfigError("GRPORunConfig: prompts_per_step and inner_steps must be >= 1.")
@@ -123,6 +132,9 @@ class GRPORunConfig(Config):
         model = self.load_model()
         hybrid_opts = [f for f in ('stage', 'decoder_reward', 'decoder_group_size', 'decoder_guidance_scale', 'decoder_lr_scale') if getattr(self, f) is not None]
         family = family_of(model)
+        if family == 'glm': return self._build_glm(model, grpo)
+        glm_opts = [f for f in ('mode',) if getattr(self, f) is not None] + [f for f, d in (('noise_level', 0.7), ('sde_start', 0)) if getattr(self, f) != d]
+        if glm_opts or self.stage == 'dit': raise ConfigError(f"{', '.join(glm_opts) or 'stage=dit'}: options of GLM-Image runs; {self.pretrained_model_name_or_path} is a {family} model.")
         if family == 'hybrid': return self._build_hybrid(model, grpo)
         if hybrid_opts: raise ConfigError(f"{', '.join(hybrid_opts)}: options of hybrid pipeline runs; {self.pretrained_model_name_or_path} is a single model.")
         diffusion, editor = family.startswith('ldm'), family.endswith('-edit')
@@ -142,6 +154,32 @@ class GRPORunConfig(Config):
                                  'use_same_noise', 'untrained_eta', 'text_encoder_lr'))
         else: task = GPTGRPO(model, reward, prompts, grpo, **self._options('prompts_per_step', 'guidance_scale', 'temperature', 'ratio_on',
                                                                             'inner_steps', 'image_guidance_scale'))
+        if self.num_validation_prompts: task.hold_out_validation(self.num_validation_prompts)
+        return task
+
+    def _build_glm(self, glm:GlmImage, grpo:GRPOConfig|None) -> GlmGRPO:
+        "GRPO for GLM-Image: the stage(s) `stage` names (LoRA of `lora_rank` on each, or in full), in `mode`, each stage with its reward."
+        other = [f for f in ('image_guidance_scale', 'text_encoder_lr', 'untrained_eta', 'temperature', 'decoder_guidance_scale')
+                 if getattr(self, f) is not None] + [f for f in ('train_text_encoder', 'use_same_noise') if getattr(self, f)]
+        if self.ratio_on != 'guided': other.append('ratio_on')
+        if self.eta != 1.0: other.append('eta')
+        if other:
+            raise ConfigError(f"{', '.join(other)}: not options of GLM-Image runs (the generator samples with its generation config, the DiT "
+                              "with guidance_scale and the flow-matching SDE's noise_level; the glyph encoder stays frozen).")
+        stage = {'decoder': 'dit', None: 'both'}.get(self.stage, self.stage)
+        mode, lora = self.mode or glm.config.mode, self.lora_rank or 0
+        cfg = dataclasses.replace(glm.config, train=stage, mode=mode, ar_lora_rank=lora if stage != 'dit' else 0, dit_lora_rank=lora if stage != 'ar' else 0,
+                                  lora_alpha=self.lora_alpha, pretrained_model_name_or_path=self.pretrained_model_name_or_path, vae=None, fit_codebook=0)
+        policy = GlmImage(glm.pipe, cfg, glm.sample_prompts)
+        policy.sampling = dict(glm.sampling)
+        prompts = self.prompt_source(mode == 'i2i', glm.resolution)
+        ar_reward = self._reward(self.reward_weights)
+        dit_reward = None if self.decoder_reward is None else self._reward(self.decoder_reward)
+        _, ctx = prompts(2, seed=0)
+        for r, _ in ar_reward.terms + (dit_reward.terms if dit_reward else []): r.check_context(2, ctx)
+        task = GlmGRPO(policy, ar_reward, prompts, dit_reward, grpo, decoder_group_size=self.decoder_group_size or 2,
+                       dit_lr_scale=1.0 if self.decoder_lr_scale is None else self.decoder_lr_scale,
+                       **self._options('prompts_per_step', 'num_inference_steps', 'guidance_scale', 'noise_level', 'train_steps', 'sde_start', 'inner_steps'))
         if self.num_validation_prompts: task.hold_out_validation(self.num_validation_prompts)
         return task
 
@@ -171,7 +209,8 @@ class GRPOPolicy:
     def __init__(self, model, lora_rank:int|None=None, lora_alpha:float|None=None, stage:str|None=None, train_text_encoder:bool=False):
         self.model, self.lora = model, lora_rank is not None
         family = family_of(model)
-        if family == 'hybrid':
+        if family == 'glm': self.trainable = GlmPolicyStages(model)      # its saved config names the stages and their LoRA
+        elif family == 'hybrid':
             gpt, unet, stage = model.ar.gpt, model.decoder.unet, stage or 'both'
             self.trainable = gpt if stage == 'ar' else unet if stage == 'decoder' else Trainables(ar=gpt, decoder=unet)
         elif family.startswith('ldm'):
@@ -186,4 +225,4 @@ class GRPOPolicy:
         return cls(GRPORunConfig(pretrained_model_name_or_path=str(path)).load_model(), m.get('lora_rank'), m.get('lora_alpha'), m.get('stage'),
                    bool(m.get('train_text_encoder')))
 
-    def save_pretrained(self, path): return save_with_lora(self.model, path) if self.lora else self.model.save_pretrained(path)
+    def save_pretrained(self, path): return save_with_lora(self.model, path) if self.lora and family_of(self.model) != 'glm' else self.model.save_pretrained(path)
