@@ -1,7 +1,7 @@
 """GRPO of GLM-Image (the real `GlmImagePipeline` classes, tiny and built here) under the shared loop on real processes:
 2 gloo CPU ranks launched by `accelerate launch`, each on its own rollout, against 1 rank on both rollouts; and
 `scripts/train_grpo.py` on a GLM-Image folder, whose LoRA result loads with diffusers' own LoRA loading and draws the
-images our sampler draws. The rewards are toys: `nbs/06h_glm_grpo.ipynb` checks the ratio and the stages; these tests
+images our sampler draws, and its checkpoint exports to the same model. The rewards are toys: `nbs/06h_glm_grpo.ipynb` checks the ratio and the stages; these tests
 check the plumbing."""
 import json, textwrap
 import pytest
@@ -95,7 +95,7 @@ def test_train_grpo_script_dit_lora_image_to_image(tmp_path):
     args = [str(BIN/'python'), 'scripts/train_grpo.py', '--pretrained_model_name_or_path', str(base), '--train', 'dit', '--mode', 'i2i',
             '--reward_dit', 'ssim', '--lora_rank', '4', '--num_generations', '2', '--prompts_per_step', '1', '--num_inference_steps', '4',
             '--train_steps', '2', '--max_steps', '2', '--learning_rate', '1e-2', '--report_to', 'none', '--n_samples', '2',
-            '--output_dir', str(tmp_path/'run')]
+            '--checkpointing_steps', '2', '--output_dir', str(tmp_path/'run')]
     p = run(args, timeout=900)
     assert 'dit/reward' in p.stdout or 'reward/' in p.stdout, p.stdout[-2000:]
     out = tmp_path/'run'/'model'
@@ -112,6 +112,11 @@ def test_train_grpo_script_dit_lora_image_to_image(tmp_path):
     assert (mine - theirs).abs().max() < 1e-4, (mine - theirs).abs().max()
     plain = GlmImage.from_pretrained(base).generate(prompts, ctx['sources'], generator=gens(), num_inference_steps=4)
     assert (mine - plain).abs().max() > 1e-3, "the adapters changed nothing: GRPO did not train them (or they were not loaded)"
+    # the step-2 checkpoint exported by export_checkpoint.py (the run's policy rebuilt from its initial model) is the final model
+    run([str(BIN/'python'), 'scripts/export_checkpoint.py', '--run', str(tmp_path/'run'), '--step', '2', '--ema', 'false',
+         '--output_dir', str(tmp_path/'export')], timeout=300)
+    again = GlmImage.from_pretrained(tmp_path/'export').generate(prompts, ctx['sources'], generator=gens(), num_inference_steps=4)
+    assert torch.equal(again, mine), (again - mine).abs().max()
     for extra, says in ((['--decoder_guidance_scale', '2'], 'decoder_guidance_scale'), (['--train', 'decoder', '--mode', 'x2y'], "mode='x2y'")):
         bad = run(args[:-2] + ['--output_dir', str(tmp_path/'bad')] + extra, check=False, timeout=300)
         assert bad.returncode != 0 and says in bad.stderr and 'Traceback' not in bad.stderr, bad.stderr[-1500:]

@@ -429,7 +429,7 @@ def load_glm_pipeline(path:str|Path, revision:str|None=None, cache_dir:str|None=
     pipe = GlmImagePipeline.from_pretrained(str(p) if full else meta['base'], revision=revision if full else meta.get('revision'), cache_dir=cache_dir)
     if not full:
         if (p/AR_LORA_DIR).is_dir(): pipe.vision_language_encoder.load_adapter(str(p/AR_LORA_DIR))
-        if (p/DIT_LORA_DIR).is_dir(): pipe.transformer.load_lora_adapter(str(p/DIT_LORA_DIR), prefix=None, use_safetensors=True)
+        if (p/DIT_LORA_DIR).is_dir(): pipe.transformer.load_lora_adapter(str(p/DIT_LORA_DIR), prefix=None, use_safetensors=True, adapter_name='default')   # peft's name, as training gives it (checkpoints key on it)
         if merge:
             pipe.vision_language_encoder = merged_copy(pipe.vision_language_encoder)
             pipe.transformer = merged_copy(pipe.transformer)
