@@ -103,6 +103,11 @@ def test_example_configs_resolve(path):
             10, 2, 0.0, True, 4.0, 2, 2)
         assert (t.max_steps, t.lr, g.group_size, g.kl_coef, m.num_validation_prompts, t.eval_steps, t.eval_on_start, t.metric_for_best_model) == (
             500, 3e-5, 16, 0.1, 64, 25, True, 'reward_mean')
+    elif path.stem.startswith('grpo_glm_'):   # GLM-Image's stage recipes: one stage each, training prompts, the oracle, guidance 3 as make main samples
+        m, t = run_['model'], run_['train']
+        dit = path.stem == 'grpo_glm_dit_shapes'
+        assert (m.stage, m.mode, m.reward, m.prompt_split, m.guidance_scale, m.num_inference_steps) == ('dit' if dit else 'ar', 't2i', {'oracle': 1.0}, 'train', 3.0, 10)
+        assert (t.max_steps, t.lr, run_['grpo'].group_size, m.train_steps if dit else None) == (100, 1e-4 if dit else 3e-5, 8, 3 if dit else None)
     elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe: the text variant's training pairs, Tesseract's reading as reward
         m = run_['model']
         assert (m.prompts, m.prompt_split, m.reward, m.num_inference_steps, m.train_steps) == ('shapes-text', 'train', {'ocr': 1.0}, 10, 5)
