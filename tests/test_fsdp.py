@@ -154,3 +154,57 @@ def test_sharded_checkpoint_without_fsdp_is_refused_clearly(runs, shapes, tmp_pa
     p = run([sys.executable, 'scripts/train_ldm.py', '--output_dir', str(res), '--dataset', str(shapes), *map(str, ARGS), '--max_steps', '6'], check=False)
     assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr[-2000:]
     assert 'was written under FSDP2' in p.stderr and 'export_checkpoint.py' in p.stderr
+
+
+GPT_GRPO = '''
+"GRPO of a tiny latent GPT on 2 ranks (DDP or FSDP2, as launched); argv: OUTPUT_DIR. Each rank records its ratio ranges."
+import json, os, sys, torch
+from diffusers import VQModel
+from imagegen.ar.task import GPTConfig, TextToImageGPT
+from imagegen.autoencoders.vq import VQTokenizer
+from imagegen.rl.gpt import GPTGRPO
+from imagegen.rl.grpo import GRPOConfig, ShapesPrompts
+from imagegen.rl.rewards import Reward
+from imagegen.training.loop import TrainConfig, train
+class ShareOfToken0(Reward):
+    name, needs = 'token0', ('tokens',)
+    def score(self, images, prompts, tokens=None, **_): return (tokens == 0).float().mean(1)
+class Recorded(GPTGRPO):
+    seen = []
+    def configure_optimizer(self, model, cfg):      # plain SGD: the update is the gradient, so the two ways of syncing compare closely
+        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    def loss(self, model, batch):
+        o = super().loss(model, batch)
+        self.seen.append([o['ratio_min'].item(), o['ratio_max'].item()])
+        return o
+torch.manual_seed(0)
+vq = VQTokenizer(VQModel(block_out_channels=(16, 32, 32), down_block_types=('DownEncoderBlock2D',) * 3, up_block_types=('UpDecoderBlock2D',) * 3,
+                         latent_channels=8, vq_embed_dim=8, num_vq_embeddings=16, norm_num_groups=8, sample_size=32))
+cfg = GPTConfig.preset('tiny', n_layer=2, n_embd=32, n_head=2, text_hidden=32, text_layers=1, text_max_length=24, vqvae='(in memory)',
+                       guidance_scale=2.0, temperature=1.0)
+model = TextToImageGPT.from_config(cfg, corpus=ShapesPrompts()(200, seed=0)[0], tokenizer=vq)
+task = Recorded(model, ShareOfToken0(), ShapesPrompts(), GRPOConfig(group_size=4), prompts_per_step=2, inner_steps=2)
+train(task, None, TrainConfig(output_dir=sys.argv[1], max_steps=4, lr=0.5, tracker='none', checkpoint_every=None, save_model=True,
+                              max_grad_norm=None, sample_every=4, n_samples=2))
+with open(f"{sys.argv[1]}/seen_rank{os.environ.get('RANK', 0)}.json", 'w') as f: json.dump(task.seen, f)
+'''
+
+
+def test_grpo_under_fsdp_matches_ddp(tmp_path):
+    """GRPO of a latent GPT under FSDP2: its rollouts call the GPT's sampler outside the sharded forward (they run inside
+    `unsharded`), the ratio is exactly 1 at each rollout's first update on each rank, and after 4 SGD steps the weights
+    are DDP's to 1e-5 (the same rollouts: the same seeds and weights; reduce-scatter against all-reduce rounding). Without
+    the gather the first rollout fails on a DTensor."""
+    from safetensors.torch import load_file
+    (tmp_path/'grpo.py').write_text(GPT_GRPO)
+    launch(tmp_path/'grpo.py', tmp_path/'ddp')
+    launch_fsdp(tmp_path/'grpo.py', tmp_path/'fsdp')
+    for r in (0, 1):
+        seen = json.loads((tmp_path/'fsdp'/f'seen_rank{r}.json').read_text())
+        assert seen[0] == [1.0, 1.0] and seen[2] == [1.0, 1.0], f"rank {r}: ratio ranges {seen} (first updates of the two rollouts must be 1)"
+        ddp = json.loads((tmp_path/'ddp'/f'seen_rank{r}.json').read_text())
+        assert sum(seen, []) == pytest.approx(sum(ddp, []), abs=1e-5), (seen, ddp)
+    assert (tmp_path/'fsdp'/'samples').is_dir(), "the validation grid (sampled outside the root's forward on every rank) was not written"
+    files = lambda d: sorted((tmp_path/d/'model').rglob('*.safetensors'))
+    a, b = ({k: v for f in files(d) for k, v in load_file(str(f)).items()} for d in ('ddp', 'fsdp'))
+    assert max_diff(a, b) < 1e-5, max_diff(a, b)

@@ -130,7 +130,7 @@ class GPTGRPO(RunPolicy):
     def batches(self, accelerator):
         "One rollout batch per pass, yielded `inner_steps` times."
         seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
-        batch = self.rollout(seed)
+        with self.full_policy(): batch = self.rollout(seed)   # FSDP2: the rollouts need whole weights
         for _ in range(self.inner_steps): yield batch
 
     def loss(self, model:torch.nn.Module, batch:dict) -> dict:

@@ -9,6 +9,8 @@ import json
 import numpy as np, torch
 from torch import nn
 from accelerate.utils import extract_model_from_parallel
+import contextlib
+from ..training.checkpoints import unsharded
 from ..config import Config, ConfigError, UserError
 from fastcore.basics import patch
 from pathlib import Path
@@ -18,7 +20,8 @@ from ..edits import EDIT_KINDS, sample_edit
 # %% auto #0
 __all__ = ['VALIDATION_SEED', 'GRPOConfig', 'group_advantages', 'clipped_objective', 'RunPolicy', 'Trainables', 'Route',
            'parse_pairs', 'held_out_for', 'unseen_pairs', 'redraw_until', 'read_prompts', 'scene_pairs',
-           'ShapesPrompts', 'edit_key', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile', 'hold_out']
+           'ShapesPrompts', 'edit_key', 'ShapesEditPrompts', 'ShapesTextPrompts', 'PromptFile', 'EditFolderPrompts',
+           'hold_out']
 
 # %% ../../nbs/06b_grpo.ipynb #36565592
 @dataclass
@@ -84,12 +87,15 @@ def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor
 class RunPolicy:
     "What every GRPO task shares: for export, `policy_class` names the class whose `from_run(path, info)` rebuilds a run's policy from its `initial_model/` and `run_info.json` (`scripts/export_checkpoint.py` and the loop read the name; this module imports none of it, `imagegen.rl.run` sits above)."
     policy_class = 'imagegen.rl.run.GRPOPolicy'
+    sharded = None            # the prepared model, under FSDP2
 
     def setup(self, accelerator, model):
-        "Called by the loop once the model is prepared. Under FSDP2 it refuses to start: the rollouts call the policy's parts outside its sharded forward, which sharded weights do not allow yet (a one-line error before any rollout, not a DTensor error in the first one)."
-        if accelerator.distributed_type == 'FSDP':
-            raise ConfigError("GRPO does not run under FSDP2 yet: its rollouts call the policy's parts outside the sharded forward. "
-                              "Launch it with DDP (accelerate launch --multi_gpu ...), without the FSDP config.")
+        "Called by the loop once the model is prepared: under FSDP2 the policy is kept, so that rollouts can gather its whole weights (`full_policy`)."
+        self.sharded = model if accelerator.distributed_type == 'FSDP' else None
+
+    def full_policy(self):
+        "A context in which the policy's parts and samplers can be called outside its forward: under FSDP2 every unit is unsharded on every rank (the rollouts call the model's parts and sampling loops, not the sharded root), resharded after; otherwise nothing."
+        return unsharded(self.sharded) if self.sharded is not None else contextlib.nullcontext()
 
 # %% ../../nbs/06b_grpo.ipynb #a7c3e2d2
 class Trainables(nn.Module):
@@ -255,6 +261,25 @@ class PromptFile:
         idx = np.random.default_rng(seed).integers(len(self.lines), size=n)
         return [self.lines[i] for i in idx], {}
     def __repr__(self): return f"PromptFile({str(self.path)!r}, {len(self.lines)} prompts)"
+
+# %% ../../nbs/06b_grpo.ipynb #aac76dd9
+class EditFolderPrompts:
+    "`prompts(n, seed)` -> n instructions drawn (with replacement) from an edit dataset (an image folder or Hub dataset of source / instruction / target triples) and `{'sources', 'targets'}` as PIL images at `resolution`."
+    def __init__(self, source:str|Path, resolution:int=64, **columns):
+        from imagegen.edits import make_edit_dataset
+        self.source, self.resolution = str(source), int(resolution)
+        self.ds = make_edit_dataset(source, self.resolution, **columns)
+        if not hasattr(self.ds, '__len__'):
+            raise ConfigError(f"{source}: WebDataset shards are read as a stream; GRPO draws prompts by index: give an edit image folder or a Hub dataset.")
+    def __call__(self, n:int, seed:int) -> tuple[list[str], dict]:
+        from imagegen.grids import to_pil
+        rng = np.random.default_rng(seed)
+        items = [self.ds[int(i)] for i in rng.integers(len(self.ds), size=n)]
+        texts = [it['captions'][int(rng.integers(len(it['captions'])))] for it in items]
+        pil = lambda key: to_pil(torch.stack([it[key] for it in items]), value_range=(-1, 1))
+        return texts, {'sources': pil('input_pixel_values'), 'targets': pil('pixel_values')}
+    def __repr__(self): return f"EditFolderPrompts({self.source!r}, {len(self.ds)} edits at {self.resolution} px)"
+
 
 # %% ../../nbs/06b_grpo.ipynb #4aeb8ecb
 VALIDATION_SEED = 20_000   # the validation prompts' draw and their samples' noise; rollouts draw from the loop's random state

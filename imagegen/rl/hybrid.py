@@ -167,7 +167,7 @@ def _loss(self:HybridGRPO, model:nn.Module, batch:dict) -> dict:
 def _batches(self:HybridGRPO, accelerator):
     "One rollout batch per pass, yielded `inner_steps` times."
     seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
-    batch = self.rollout(seed)
+    with self.full_policy(): batch = self.rollout(seed)   # FSDP2: the rollouts need whole weights
     for _ in range(self.inner_steps): yield batch
 
 def _to(self:HybridGRPO, device) -> HybridGRPO:

@@ -16,7 +16,7 @@ from .gpt import GPTGRPO
 from ..glm.task import GlmImage
 from .glm import GlmGRPO, GlmPolicyStages
 from .hybrid import STAGES, HybridGRPO
-from .grpo import GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts, Trainables
+from .grpo import EditFolderPrompts, GRPOConfig, PromptFile, ShapesEditPrompts, ShapesPrompts, ShapesTextPrompts, Trainables
 from .rewards import make_reward
 
 # %% auto #0
@@ -31,7 +31,7 @@ class GRPORunConfig(Config):
     graded: bool = True                       # oracle reward: partial credit per attribute instead of all-or-nothing
     clip_model: str|None = None               # the 'clip' and 'aesthetic' rewards' CLIP model (a folder or Hub id in transformers format)
     aesthetic_head: str|None = None           # the 'aesthetic' reward's head: a state dict of LAION's layout (sac+logos+ava1-l14-linearMSE.pth)
-    prompts: str = 'shapes'                   # 'shapes' (Shapes scenes, scored by the oracle), 'shapes-text' (words to render, for the OCR reward) or a text file with one prompt per line
+    prompts: str = 'shapes'                   # 'shapes' (Shapes scenes, scored by the oracle), 'shapes-text' (words to render, for the OCR reward), a text file with one prompt per line; editors and i2i: an edit image folder or Hub dataset
     prompt_split: str = 'train'               # Shapes prompts (and shapes-text): the split ('test': the colour-shape or word-colour pairs the supervised data never shows)
     prompt_level: int = 1                     # Shapes prompts: objects per scene (1 or 2)
     prompt_pairs: list[str]|None = None       # Shapes prompts: only these 'colour shape' pairs of the split
@@ -102,7 +102,12 @@ class GRPORunConfig(Config):
                 raise FileNotFoundError(f"--prompt_exclude {self.prompt_exclude} does not exist: sample the evaluation's prompts first (its samples.jsonl, "
                                         "e.g. from `make main`) or point --prompt_exclude at a file of the prompts to keep out of training.")
             return ShapesPrompts(self.prompt_split, self.prompt_level, self.prompt_pairs, self.prompt_relations, self.prompt_exclude)
-        if editor: raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits); {self.prompts!r} gives none.")
+        if editor:
+            if self.prompts == 'shapes-text' or Path(self.prompts).is_file():
+                raise ConfigError(f"an editor's prompts come with source images: use prompts: shapes (Shapes edits) or an edit dataset (an image folder "
+                                  f"or Hub dataset of source / instruction / target); {self.prompts!r} gives none.")
+            if self.prompt_pairs: raise ConfigError("prompt_pairs narrows Shapes edits; it does not apply to an edit dataset.")
+            return EditFolderPrompts(self.prompts, resolution)
         if self.prompts == 'shapes-text': return ShapesTextPrompts(split=self.prompt_split)
         if self.prompt_pairs: raise ConfigError("prompt_pairs narrows Shapes prompts; it does not apply to a prompt file.")
         return PromptFile(self.prompts)

@@ -14,8 +14,8 @@ __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT
            'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
            'DiskFullError', 'disk_full', 'free_gib', 'check_sharded_folder', 'check_checkpoint', 'usable_checkpoint',
            'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'full_tensor', 'shard_like', 'resharded',
-           'gathered', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir', 'release_run_lock',
-           'Preempted', 'find_checkpoint', 'load_trained_weights']
+           'unsharded', 'gathered', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir',
+           'release_run_lock', 'Preempted', 'find_checkpoint', 'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -244,6 +244,22 @@ def resharded(model):
     for m in model.modules():
         if isinstance(m, FSDPModule): m.reshard()
     return model
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Every FSDP2 unit of `model` unsharded for the block and resharded after, so that its parts and methods can be
+    called outside the root's forward (a sampler's loop, GRPO's rollouts: parameters that belong to no block would
+    otherwise stay slices, and the call fails on a DTensor). Every rank enters it; nothing happens for an unsharded model."""
+    from torch.distributed.fsdp import FSDPModule
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    # the outermost units set up their states first, as a forward through them would: a block called alone inside the
+    # block would otherwise take itself for the root (torch's private `_lazy_init`, the step every root forward begins with)
+    for n, m in named:
+        if not any(n != o and (o == '' or n.startswith(o + '.')) for o, _ in named): m._get_fsdp_state()._lazy_init()
+    for _, m in named: m.unshard()
+    try: yield model
+    finally:
+        for _, m in reversed(named): m.reshard()
 
 @contextlib.contextmanager
 def gathered(model):

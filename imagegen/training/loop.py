@@ -23,7 +23,7 @@ from ..diagnostics import destroy_process_group_at_exit
 from ..grids import make_grid
 from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX, Preempted, clean_partial_checkpoints,
                                           CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
-                                          ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, resharded, shard_like, size_text,
+                                          ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, resharded, shard_like, size_text, unsharded,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
                                           write_atomic)
 from .tracking import check_tracker, flat_params, run_info, scalars
@@ -543,7 +543,7 @@ def _sample(self:Trainer):
     try:
         model.eval()
         n = len(self.cfg.validation_prompts) if self.cfg.validation_prompts else self.cfg.n_samples
-        with torch.no_grad(): out = self.task.sample(n, self.step)
+        with torch.no_grad(), unsharded(model): out = self.task.sample(n, self.step)   # FSDP2: samplers call parts outside the root's forward
     finally:
         resharded(model)   # FSDP2: the root unit stays gathered after a forward without backward; the EMA swaps slices
         if self.ema: self.ema.restore(ema_parameters(model))
@@ -762,7 +762,7 @@ def _evaluate(self:Trainer, bar=None) -> dict:
         if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
         try:
             model.eval()
-            with torch.no_grad(): scores = {str(k): float(v) for k, v in self.task.evaluate(self.step).items()}
+            with torch.no_grad(), unsharded(model): scores = {str(k): float(v) for k, v in self.task.evaluate(self.step).items()}
         finally:
             resharded(model)
             if self.ema: self.ema.restore(ema_parameters(model))
