@@ -235,7 +235,7 @@ def _rollout(self:GlmGRPO, seed:int) -> dict:
     hi = _expand(ctx, Ng * Nd)
     r_ar, parts_ar = self.ar_reward.parts(dr['images'], rows, **hi)
     r_dit, parts_dit = (r_ar, parts_ar) if self.dit_reward is self.ar_reward else self.dit_reward.parts(dr['images'], rows, **hi)
-    stats = {f'ar/reward/{k}': v.mean() for k, v in parts_ar.items()}
+    stats = {f"{'ar' if self.trains_ar else 'dit'}/reward/{k}": v.mean() for k, v in parts_ar.items()}   # the reward under the stage it trains
     if self.dit_reward is not self.ar_reward: stats |= {f'dit/reward/{k}': v.mean() for k, v in parts_dit.items()}
     batch = dict(caption=rows, stats=stats, decoder_noise=dr['latents'][:, 0])
     with torch.no_grad():
