@@ -154,7 +154,12 @@ def save_with_lora(model, path):
     from diffusers import StableDiffusionPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
     unet = model.unet
-    merged = copy.deepcopy(unet); merged.fuse_lora(); merged.unload_lora()
+    # a fresh UNet of the same config and adapters takes the weights (not a deepcopy: under FSDP2 the module carries its
+    # process group, which cannot be copied), then folds the adapters in: the same numbers as merging a copy
+    merged = type(unet).from_config(unet.config).to(unet.device, unet.dtype)
+    merged.add_adapter(unet.peft_config['default'])
+    merged.load_state_dict(unet.state_dict())
+    merged.fuse_lora(); merged.unload_lora()
     model.unet = merged
     try: model.save_pretrained(path)
     finally: model.unet = unet
