@@ -39,7 +39,7 @@ GLM_GRPO = textwrap.dedent('''
         "Rollouts of seeds 100 and 101 (one prompt, 2 token grids, 2 decodes each): rank r trains on rollout r, or one rank on both."
         seen = []
         def batches(self, accelerator):
-            groups = [self.rollout(100), self.rollout(101)]
+            with self.full_policy(): groups = [self.rollout(100), self.rollout(101)]   # FSDP2: whole weights for the rollouts
             batch = groups[rank] if mode == 'split' else {k: cat(k, groups[0][k], groups[1][k]) for k in groups[0]}
             for _ in range(self.inner_steps): yield batch
         def configure_optimizer(self, model, cfg):      # plain SGD: the update is the gradient, so averaged ranks compare exactly
@@ -58,12 +58,14 @@ GLM_GRPO = textwrap.dedent('''
 
 
 def test_glm_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
-    "GLM-Image GRPO of both stages on 2 ranks: ratio exactly 1 for the generator and the DiT at each rollout's first update on each rank, and both stages end at the weights one rank reaches on both rollouts."
+    "GLM-Image GRPO of both stages on 2 ranks: ratio exactly 1 for the generator and the DiT at each rollout's first update on each rank, both stages end at the weights one rank reaches on both rollouts, and under FSDP2 (the rollouts inside `full_policy`) at DDP's."
     from diffusers import GlmImagePipeline
     from imagegen.glm.build import build_glm_image
+    from test_fsdp import launch_fsdp
     (tmp_path/'ggrpo.py').write_text(GLM_GRPO)
     launch(tmp_path/'ggrpo.py', tmp_path/'split', 'split')
     launch(tmp_path/'ggrpo.py', tmp_path/'joint', 'joint', num_processes=1)
+    launch_fsdp(tmp_path/'ggrpo.py', tmp_path/'fsdp', 'split')
     seen = {r: json.loads((tmp_path/'split'/f'seen_rank{r}.json').read_text()) for r in (0, 1)}
     for r in (0, 1):
         first, second = seen[r]
@@ -81,6 +83,13 @@ def test_glm_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
         gap = (flat(get(a)) - flat(get(b))).abs().max().item()
         assert gap < 0.02 * moved, f"{stage}: 2 ranks end {gap:.3g} away from 1 rank on both rollouts (the stage moved {moved:.3g})"
     assert torch.equal(flat(a.vision_language_encoder.model.visual), flat(start.vision_language_encoder.model.visual)), "the vision tower is frozen"
+    # FSDP2: the same ratios on each rank and the same weights as DDP (measured: equal; 1e-6 allows reduce-scatter's rounding)
+    for r in (0, 1):
+        got = [v for x in json.loads((tmp_path/'fsdp'/f'seen_rank{r}.json').read_text()) for v in x[:4]]
+        assert got == pytest.approx([v for x in seen[r] for v in x[:4]], abs=1e-6), f"rank {r}: ratio ranges under FSDP2 {got}"
+    c = GlmImagePipeline.from_pretrained(tmp_path/'fsdp'/'model')
+    for stage, get in (('ar', lambda p: p.vision_language_encoder.model.language_model), ('dit', lambda p: p.transformer)):
+        assert (flat(get(a)) - flat(get(c))).abs().max().item() < 1e-6, f"{stage}: FSDP2 ends away from DDP"
 
 
 def test_train_grpo_script_dit_lora_image_to_image(tmp_path):
