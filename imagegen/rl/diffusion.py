@@ -264,12 +264,6 @@ class DiffusionGRPO(RunPolicy):
         "The loop's hook: one AdamW over the trained weights; with `text_encoder_lr`, the text model's at that rate (the schedule scales both)."
         return make_optimizer(model, cfg, {'text.': self.text_lr} if self.text_lr is not None else None)
 
-    def batches(self, accelerator):
-        "One rollout batch per pass, yielded `inner_steps` times."
-        seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
-        with self.full_policy(): batch = self.rollout(seed)   # FSDP2: the rollouts need whole weights
-        for _ in range(self.inner_steps): yield batch
-
     def loss(self, model:torch.nn.Module, batch:dict) -> dict:
         if self.train_text:                                # both modules called through the (possibly DDP-wrapped) whole
             cond, uncond = self._text_states(Route(model, 'text'), batch['caption'])

@@ -283,12 +283,6 @@ def _loss(self:GlmGRPO, model:nn.Module, batch:dict) -> dict:
         total = total + loss; out |= {f'dit/{k}': torch.tensor(v, device=loss.device) for k, v in st.items()}
     return {'loss': total, **out, **batch['stats']}
 
-def _batches(self:GlmGRPO, accelerator):
-    "One rollout batch per pass, yielded `inner_steps` times."
-    seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
-    with self.full_policy(): batch = self.rollout(seed)   # FSDP2: the rollouts need whole weights
-    for _ in range(self.inner_steps): yield batch
-
 def _to(self:GlmGRPO, device) -> GlmGRPO:
     "Move the pipeline and the references to `device`."
     self.glm.to(device)
@@ -302,7 +296,7 @@ def _validation_rollout(self:GlmGRPO, prompts, seed:int, sources=None) -> tuple[
     return self.glm.generate(list(prompts), sources if self.editor else None, generator=gens, guidance_scale=self.g,
                              num_inference_steps=self.steps), {}
 
-GlmGRPO.rollout, GlmGRPO._reference, GlmGRPO.loss, GlmGRPO.batches, GlmGRPO.to = _rollout, _reference, _loss, _batches, _to
+GlmGRPO.rollout, GlmGRPO._reference, GlmGRPO.loss, GlmGRPO.to = _rollout, _reference, _loss, _to
 GlmGRPO._validation_rollout = _validation_rollout
 GlmGRPO.batch_size = lambda self, batch: len(batch['caption'])
 GlmGRPO.save_pretrained = lambda self, path: self.glm.save_pretrained(path)

@@ -13,7 +13,6 @@ from ..config import ConfigError, UserError
 from ..edits import prepare_sources
 from .grpo import GRPOConfig, RunPolicy, clipped_objective, group_advantages
 from .rewards import Reward, WeightedReward
-from ..training.loop import derived_seed
 
 # %% auto #0
 __all__ = ['sampling_settings', 'gpt_rollouts', 'gpt_logprobs', 'GPTGRPO']
@@ -126,12 +125,6 @@ class GPTGRPO(RunPolicy):
                             "as ShapesEditPrompts does.")
         x = prepare_sources(sources, self.model.resolution).to(self.model.device)
         with torch.no_grad(): return self.model.tokenizer.encode(x).flatten(1)
-
-    def batches(self, accelerator):
-        "One rollout batch per pass, yielded `inner_steps` times."
-        seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
-        with self.full_policy(): batch = self.rollout(seed)   # FSDP2: the rollouts need whole weights
-        for _ in range(self.inner_steps): yield batch
 
     def loss(self, model:torch.nn.Module, batch:dict) -> dict:
         logp = gpt_logprobs(self.model, batch['tokens'], batch['caption'], self.g, self.t, self.ratio_on, module=model,

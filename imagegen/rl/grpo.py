@@ -11,6 +11,7 @@ from torch import nn
 from accelerate.utils import extract_model_from_parallel
 import contextlib
 from ..training.checkpoints import unsharded
+from ..training.loop import derived_seed
 from ..config import Config, ConfigError, UserError
 from fastcore.basics import patch
 from pathlib import Path
@@ -96,6 +97,12 @@ class RunPolicy:
     def full_policy(self):
         "A context in which the policy's parts and samplers can be called outside its forward: under FSDP2 every unit is unsharded on every rank (the rollouts call the model's parts and sampling loops, not the sharded root), resharded after; otherwise nothing."
         return unsharded(self.sharded) if self.sharded is not None else contextlib.nullcontext()
+
+    def batches(self, accelerator):
+        "The loop's batches: one rollout per pass (its seed drawn from the run's random state and the rank; whole weights under FSDP2), yielded `inner_steps` times."
+        seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
+        with self.full_policy(): batch = self.rollout(seed)
+        for _ in range(self.inner_steps): yield batch
 
 # %% ../../nbs/06b_grpo.ipynb #a7c3e2d2
 class Trainables(nn.Module):

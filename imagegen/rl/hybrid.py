@@ -164,12 +164,6 @@ def _loss(self:HybridGRPO, model:nn.Module, batch:dict) -> dict:
         total = total + loss; out |= {f'decoder/{k}': torch.tensor(v, device=loss.device) for k, v in st.items()}
     return {'loss': total, **out, **batch['stats']}
 
-def _batches(self:HybridGRPO, accelerator):
-    "One rollout batch per pass, yielded `inner_steps` times."
-    seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
-    with self.full_policy(): batch = self.rollout(seed)   # FSDP2: the rollouts need whole weights
-    for _ in range(self.inner_steps): yield batch
-
 def _to(self:HybridGRPO, device) -> HybridGRPO:
     "Move both stages and the references to `device`."
     self.pipe.to(device)
@@ -177,7 +171,7 @@ def _to(self:HybridGRPO, device) -> HybridGRPO:
         if r is not None: r.to(device)
     return self
 
-HybridGRPO.loss, HybridGRPO.batches, HybridGRPO.to = _loss, _batches, _to
+HybridGRPO.loss, HybridGRPO.to = _loss, _to
 HybridGRPO.batch_size = lambda self, batch: len(batch['caption'])
 HybridGRPO.save_pretrained = lambda self, path: self.pipe.save_pretrained(path)
 HybridGRPO.sample = lambda self, n=None, step=None, **kw: self.pipe.sample(n, step, **kw)
