@@ -4,7 +4,7 @@
 
 # %% ../../nbs/06h_glm_grpo.ipynb #9404e23d
 from __future__ import annotations
-import copy, dataclasses
+import copy
 from contextlib import contextmanager
 from typing import Sequence
 import numpy as np, torch
