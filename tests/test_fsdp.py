@@ -210,8 +210,9 @@ def test_grpo_under_fsdp_matches_ddp(tmp_path):
     assert max_diff(a, b) < 1e-5, max_diff(a, b)
 
 
+@pytest.mark.slow
 def test_lora_grpo_under_fsdp_matches_ddp(tmp_path):
-    """Latent diffusion GRPO with LoRA on the UNet, on 2 ranks under FSDP2 and under DDP (each rank its own rollout, SGD):
+    """Slow (`--slow`: LoRA is a second variant of the GRPO test above). Latent diffusion GRPO with LoRA on the UNet, on 2 ranks under FSDP2 and under DDP (each rank its own rollout, SGD):
     ratio exactly 1 at each first update, and the saved model (adapters merged into the UNet, and the adapters alone in
     `pytorch_lora_weights.safetensors`) equal to DDP's to 1e-6. Saving merged a deep copy of the UNet, which under FSDP2
     carries its process group and cannot be copied: the run died at its first save."""

@@ -57,16 +57,22 @@ GLM_GRPO = textwrap.dedent('''
 ''')
 
 
+def _seen(folder):
+    return {r: json.loads((folder/f'seen_rank{r}.json').read_text()) for r in (0, 1)}
+
+
+flat = lambda mod: torch.cat([p.detach().flatten() for p in mod.parameters()])
+STAGES = (('ar', lambda p: p.vision_language_encoder.model.language_model), ('dit', lambda p: p.transformer))
+
+
 def test_glm_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
-    "GLM-Image GRPO of both stages on 2 ranks: ratio exactly 1 for the generator and the DiT at each rollout's first update on each rank, both stages end at the weights one rank reaches on both rollouts, and under FSDP2 (the rollouts inside `full_policy`) at DDP's."
+    "GLM-Image GRPO of both stages on 2 ranks: ratio exactly 1 for the generator and the DiT at each rollout's first update on each rank, and both stages end at the weights one rank reaches on both rollouts."
     from diffusers import GlmImagePipeline
     from imagegen.glm.build import build_glm_image
-    from test_fsdp import launch_fsdp
     (tmp_path/'ggrpo.py').write_text(GLM_GRPO)
     launch(tmp_path/'ggrpo.py', tmp_path/'split', 'split')
     launch(tmp_path/'ggrpo.py', tmp_path/'joint', 'joint', num_processes=1)
-    launch_fsdp(tmp_path/'ggrpo.py', tmp_path/'fsdp', 'split')
-    seen = {r: json.loads((tmp_path/'split'/f'seen_rank{r}.json').read_text()) for r in (0, 1)}
+    seen = _seen(tmp_path/'split')
     for r in (0, 1):
         first, second = seen[r]
         assert first[:4] == [1.0] * 4, f"rank {r}: the first update of its rollout had ratio ranges {first[:4]} (ar min/max, dit min/max)"
@@ -74,8 +80,7 @@ def test_glm_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
     assert seen[0][0][4] != seen[1][0][4], "both ranks trained on the same rollout"
     start = build_glm_image('tiny', seed=0)
     a, b = (GlmImagePipeline.from_pretrained(tmp_path/m/'model') for m in ('split', 'joint'))
-    flat = lambda mod: torch.cat([p.detach().flatten() for p in mod.parameters()])
-    for stage, get in (('ar', lambda p: p.vision_language_encoder.model.language_model), ('dit', lambda p: p.transformer)):
+    for stage, get in STAGES:
         moved = (flat(get(a)) - flat(get(start))).abs().max().item()
         assert moved > 1e-4, f"GRPO barely changed the {stage} stage ({moved})"
         # 2 % of the move: the rows of one batch and of two batches round differently (and the joint batch pads its prompts);
@@ -83,12 +88,24 @@ def test_glm_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
         gap = (flat(get(a)) - flat(get(b))).abs().max().item()
         assert gap < 0.02 * moved, f"{stage}: 2 ranks end {gap:.3g} away from 1 rank on both rollouts (the stage moved {moved:.3g})"
     assert torch.equal(flat(a.vision_language_encoder.model.visual), flat(start.vision_language_encoder.model.visual)), "the vision tower is frozen"
-    # FSDP2: the same ratios on each rank and the same weights as DDP (measured: equal; 1e-6 allows reduce-scatter's rounding)
+
+
+@pytest.mark.slow
+def test_glm_grpo_both_stages_under_fsdp_match_ddp(tmp_path):
+    "The same two-rank GRPO of both stages under FSDP2 (the rollouts inside `full_policy`): each rank's ratios and both stages' weights are DDP's. Slow: a second variant of the test above, run with `--slow`."
+    from diffusers import GlmImagePipeline
+    from test_fsdp import launch_fsdp
+    (tmp_path/'ggrpo.py').write_text(GLM_GRPO)
+    launch(tmp_path/'ggrpo.py', tmp_path/'split', 'split')
+    launch_fsdp(tmp_path/'ggrpo.py', tmp_path/'fsdp', 'split')
+    ddp, fsdp = _seen(tmp_path/'split'), _seen(tmp_path/'fsdp')
+    # the same ratios on each rank and the same weights as DDP (measured: equal; 1e-6 allows reduce-scatter's rounding)
     for r in (0, 1):
-        got = [v for x in json.loads((tmp_path/'fsdp'/f'seen_rank{r}.json').read_text()) for v in x[:4]]
-        assert got == pytest.approx([v for x in seen[r] for v in x[:4]], abs=1e-6), f"rank {r}: ratio ranges under FSDP2 {got}"
-    c = GlmImagePipeline.from_pretrained(tmp_path/'fsdp'/'model')
-    for stage, get in (('ar', lambda p: p.vision_language_encoder.model.language_model), ('dit', lambda p: p.transformer)):
+        got = [v for x in fsdp[r] for v in x[:4]]
+        assert got[:4] == [1.0] * 4, f"rank {r}: the first update under FSDP2 had ratio ranges {got[:4]}"
+        assert got == pytest.approx([v for x in ddp[r] for v in x[:4]], abs=1e-6), f"rank {r}: ratio ranges under FSDP2 {got}"
+    a, c = (GlmImagePipeline.from_pretrained(tmp_path/m/'model') for m in ('split', 'fsdp'))
+    for stage, get in STAGES:
         assert (flat(get(a)) - flat(get(c))).abs().max().item() < 1e-6, f"{stage}: FSDP2 ends away from DDP"
 
 
