@@ -78,7 +78,7 @@ nbtest: install
 #                         scripts/configs/main_glm_vae.yaml, main_glm.yaml; N_GLM_TRAIN training scenes drawn by the Shapes
 #                         generator at 64 px), scored through GlmImagePipeline on held-out prompts and on seen pairs (validation)
 # On a GPU node the same command trains on every visible GPU (accelerate launch picks them up).
-# TASK=edit (FAMILY=ldm or gpt): the family's text-to-image model above (trained first unless MAIN already holds it;
+# TASK=edit (FAMILY=ldm, gpt or glm): the family's text-to-image model above (trained first unless MAIN already holds it;
 #   its first stage, VAE or VQ-VAE, then sees two-object scenes too, see FIRST_STAGE_DATA) is fine-tuned into an
 #   instruction-based editor on Shapes edits (recipe scripts/configs/main_edit_FAMILY.yaml), then held-out edits are
 #   sampled and scored: edit accuracy (change made, rest unchanged), per kind, and SSIM to the target.
@@ -145,12 +145,13 @@ define TRAIN_glide
 	  --upsampler_batch_size 4
 endef
 N_GLM_TRAIN ?= 4000
+comma := ,
 GLM_STEPS ?=
 GLM_VAE_STEPS ?=
 GLM_GUIDANCE ?= 3
 define TRAIN_glm
 	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_glm_vae.yaml --output_dir $(MAIN)/glm-vae \
-	  --dataset_name shapes:n=$(N_GLM_TRAIN) $(if $(GLM_VAE_STEPS),--max_train_steps $(GLM_VAE_STEPS))
+	  --dataset_name shapes:n=$(N_GLM_TRAIN)$(if $(filter edit,$(TASK)),$(comma)level=mixed) $(if $(GLM_VAE_STEPS),--max_train_steps $(GLM_VAE_STEPS))
 	$(LAUNCH) scripts/train_glm_image.py --config scripts/configs/main_glm.yaml --output_dir $(MAIN)/glm --vae $(MAIN)/glm-vae/model \
 	  --dataset_name shapes:n=$(N_GLM_TRAIN) $(if $(GLM_STEPS),--max_train_steps $(GLM_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/glm/model --shapes_split test --n $(N_EVAL) --guidance $(GLM_GUIDANCE) --batch_size 50 --out $(MAIN)/glm-samples
@@ -169,6 +170,16 @@ define EDIT
 	$(PY) scripts/sample.py --model $(MAIN)/$(FAMILY)-edit/model --shapes_edit_split test --n $(N_EVAL) \
 	  --image_guidance $(EDIT_IMAGE_GUIDANCE_$(FAMILY)) --out $(MAIN)/$(FAMILY)-edit-samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/$(FAMILY)-edit-samples
+endef
+T2I_glm := $(MAIN)/glm/model
+# GLM-Image edits: the text-to-image model fine-tuned image to image (both stages; the source in the generator's chat
+# template and the DiT's key/value cache, as GlmImagePipeline conditions on it), then the held-out edits through the pipeline
+define EDIT_glm
+	$(LAUNCH) scripts/train_glm_image.py --config scripts/configs/main_edit_glm.yaml --pretrained_model_name_or_path $(T2I_glm) \
+	  --output_dir $(MAIN)/glm-edit $(if $(EDIT_STEPS),--max_train_steps $(EDIT_STEPS))
+	$(PY) scripts/sample.py --model $(MAIN)/glm-edit/model --shapes_edit_split test --n $(N_EVAL) --guidance $(GLM_GUIDANCE) --batch_size 50 \
+	  --out $(MAIN)/glm-edit-samples
+	$(PY) scripts/evaluate.py --samples $(MAIN)/glm-edit-samples
 endef
 T2I_glide := $(MAIN)/glide/model
 # each family's make main sampling settings, for the two-object prompts of LEVEL=mixed (GLIDE: its base model)
@@ -189,13 +200,13 @@ SAMPLES = $(if $(filter edit,$(TASK)),$(MAIN)/$(FAMILY)-edit-samples,$(SAMPLES_$
 HAVE_T2I = $(wildcard $(T2I_$(FAMILY))/model_index.json $(T2I_$(FAMILY))/imagegen_gpt.json)
 main: check
 	@case "$(FAMILY)" in ldm|gpt|glide|glm) ;; *) echo "FAMILY=$(FAMILY): choose ldm, gpt, glide or glm"; exit 2;; esac
-	@case "$(TASK)/$(FAMILY)" in t2i/*|edit/ldm|edit/gpt) ;; *) echo "TASK=$(TASK) FAMILY=$(FAMILY): TASK is t2i, or edit with FAMILY=ldm or gpt"; exit 2;; esac
+	@case "$(TASK)/$(FAMILY)" in t2i/*|edit/ldm|edit/gpt|edit/glm) ;; *) echo "TASK=$(TASK) FAMILY=$(FAMILY): TASK is t2i, or edit with FAMILY=ldm, gpt or glm"; exit 2;; esac
 	@case "$(TASK)/$(LEVEL)" in */1|t2i/mixed) ;; *) echo "LEVEL=$(LEVEL) TASK=$(TASK): LEVEL is 1, or mixed with TASK=t2i"; exit 2;; esac
 	@case "$(FAMILY)/$(LEVEL)" in glm/mixed) echo "LEVEL=mixed FAMILY=glm: not yet; GLM-Image trains on single-object scenes here"; exit 2;; esac
 	$(BIN)/imagegen-diagnose
 	$(if $(filter glm,$(FAMILY)),,$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --level $(LEVEL) --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL))
 	$(if $(and $(filter edit,$(TASK)),$(HAVE_T2I)),@echo "TASK=edit: starting from the text-to-image model in $(T2I_$(FAMILY)) (its first stage caps add/remove edits: evaluate.py prints the ceiling)",$(TRAIN_$(FAMILY)))
-	$(if $(filter edit,$(TASK)),$(EDIT))
+	$(if $(filter edit,$(TASK)),$(if $(filter glm,$(FAMILY)),$(EDIT_glm),$(EDIT)))
 	$(if $(filter mixed,$(LEVEL)),$(LEVEL2))
 	@echo "grid: $(SAMPLES)/grid.png  metrics: $(SAMPLES)/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
 	$(if $(filter mixed,$(LEVEL)),@echo "two objects: $(SAMPLES)-level2/grid.png  metrics: $(SAMPLES)-level2/metrics.json")

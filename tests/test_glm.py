@@ -29,6 +29,23 @@ def test_two_ranks_stay_identical(glm2):
     assert (info['config']['model']['train'], info['config']['model']['dit_lora_rank'], info['config']['train']['ema']) == ('both', 4, True)
 
 
+def test_lora_and_full_stages_under_fsdp_match_ddp(glm2, tmp_path):
+    """The same run under FSDP2 (2 ranks; the generator in full, the DiT with LoRA, EMA): DDP's losses, and a saved folder
+    (the adapters, and the pipeline with them merged) with DDP's tensors to 1e-5, which `GlmImagePipeline` loads. Merging
+    deep-copied the DiT, and a module sharded by FSDP2 cannot be copied (it holds its process group): the save failed."""
+    from diffusers import GlmImagePipeline
+    from test_fsdp import folder_tensors, launch_fsdp, max_diff
+    d, ddp = glm2
+    launch_fsdp('scripts/train_glm_image.py', '--output_dir', tmp_path/'run', *TINY, '--max_steps', 4, '--checkpoint_every', 2,
+                '--train', 'both', '--dit_lora_rank', 4, '--use_ema', probe=tmp_path/'probe')
+    fsdp = rank_records(tmp_path/'probe', 2)
+    assert fsdp[0]['losses'] == pytest.approx(ddp[0]['losses'], rel=1e-5, abs=1e-6), (fsdp[0]['losses'], ddp[0]['losses'])
+    a, b = folder_tensors(d/'run'/'model'), folder_tensors(tmp_path/'run'/'model')
+    assert a.keys() == b.keys() and any('transformer_lora' in k for k in a), sorted(a)[:5]
+    assert max_diff(a, b) < 1e-5, max_diff(a, b)
+    assert type(GlmImagePipeline.from_pretrained(tmp_path/'run'/'model').transformer).__name__ == 'GlmImageTransformer2DModel'   # its own class, not FSDP's
+
+
 def test_resume_is_exact(tmp_path):
     "4 steps at once, or 2 steps and a resume to 4 (a constant learning rate: the schedule does not depend on --max_steps): the same weights, bit for bit."
     args = [*TINY, '--train', 'both', '--checkpoint_every', 2, '--lr_scheduler', 'constant', '--warmup_steps', 0]

@@ -65,10 +65,15 @@ def test_example_configs_resolve(path):
     "Each example config is read by the script its name ends with (GLIDE's upsampler recipe: train_glide.py --stage upsample; editor recipes `*_edit_<family>`: train_edit.py; `grpo_*`: train_grpo.py; `*_glm`: train_glm_image.py), without error."
     stage = 'upsample' if path.stem.endswith('glide_upsampler') else None
     grpo = path.stem.startswith('grpo_')
-    edit = '_edit_' in path.stem and not grpo
-    name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_edit' if edit else 'train_glm_image' if path.stem.endswith('_glm') else 'train_' + path.stem.rsplit('_', 1)[1]
+    glm = path.stem.endswith('_glm')
+    edit = '_edit_' in path.stem and not grpo and not glm
+    name = 'train_grpo' if grpo else 'train_glide' if stage else 'train_glm_image' if glm else 'train_edit' if edit else 'train_' + path.stem.rsplit('_', 1)[1]
     run_ = resolve(name, ['--config', str(path)], stage)
     assert set(run_) == ({'train', 'model', 'grpo'} if grpo else {'train', 'model', 'data'})
+    if path.stem == 'main_edit_glm':   # GLM-Image's edit recipe (make main TASK=edit FAMILY=glm): both stages image to image on Shapes edits
+        m, t = run_['model'], run_['train']
+        assert (m.mode, m.train, m.resolution, run_['data'].dataset, m.pretrained_model_name_or_path) == ('i2i', 'both', 64, 'shapes', None)
+        assert (t.max_steps, t.batch_size, t.lr, t.ema) == (2000, 16, 5e-4, True)
     if path.stem == 'grpo_hybrid_ar_shapes':   # the hybrid's AR-stage recipe (nbs/experiments): the GPT alone, the oracle on set A's 128 px images
         m, t = run_['model'], run_['train']
         assert (m.stage, m.reward, m.decoder_group_size, m.num_inference_steps, m.prompt_split, m.prompt_pairs) == (
@@ -158,6 +163,17 @@ def test_main_first_stage_data_follows_the_task(tmp_path):
         command = lambda *args: main_command(tmp_path, script, args=(f'FAMILY={family}', *args))
         assert f'--train_data_dir {tmp_path}/shapes/imagefolder/train' in command() and 'level=mixed' not in command()
         assert '--dataset_name shapes:level=mixed' in command('TASK=edit') and '--train_data_dir' not in command('TASK=edit')
+
+
+def test_main_glm_edit_fine_tunes_the_text_to_image_model_image_to_image(tmp_path):
+    "`make main FAMILY=glm TASK=edit`: its VAE on one- and two-object scenes, then the text-to-image GLM-Image fine-tuned image to image with its recipe, and the held-out edits sampled and scored through the pipeline."
+    args = ('FAMILY=glm', 'TASK=edit')
+    assert 'level=mixed' in main_command(tmp_path, 'scripts/train_vae.py', args=args) and 'level=mixed' not in main_command(tmp_path, 'scripts/train_vae.py', args=('FAMILY=glm',))
+    assert f'--pretrained_model_name_or_path {tmp_path}/glm/model' in main_command(tmp_path, 'train_glm_image.py', 'main_edit_glm.yaml', args=args)
+    assert f'--out {tmp_path}/glm-edit-samples' in main_command(tmp_path, 'scripts/sample.py', '--shapes_edit_split test', args=args)
+    assert main_command(tmp_path, 'scripts/evaluate.py', 'glm-edit-samples', args=args)
+    p = run(['make', '-s', 'main', f'MAIN={tmp_path}', 'FAMILY=glide', 'TASK=edit'], check=False)
+    assert p.returncode != 0 and 'edit with FAMILY=ldm, gpt or glm' in p.stdout + p.stderr
 
 
 def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):

@@ -22,8 +22,8 @@ from .sft import (_pil, glm_ar_batch, glm_ar_loss, glm_dit_batch, glm_dit_loss, 
 
 # %% auto #0
 __all__ = ['GLM_FILE', 'AR_LORA_DIR', 'DIT_LORA_DIR', 'GlmConfig', 'GlmDataConfig', 'ar_lora_config', 'dit_lora_config',
-           'lora_parameters', 'merged_copy', 'GlmStages', 'GlmImage', 'PerPromptSampler', 'glm_code_features',
-           'glm_grids', 'fit_glm_codebook', 'use_vae', 'load_glm_pipeline']
+           'lora_parameters', 'merged_state_dict', 'merged_copy', 'GlmStages', 'GlmImage', 'PerPromptSampler',
+           'glm_code_features', 'glm_grids', 'fit_glm_codebook', 'use_vae', 'load_glm_pipeline']
 
 # %% ../../nbs/05i_glm_train.ipynb #e1c2bd76
 GLM_FILE = 'imagegen_glm.json'
@@ -92,19 +92,37 @@ def lora_parameters(module:nn.Module) -> list[str]:
     "Names of the LoRA parameters in `module`."
     return [n for n, _ in module.named_parameters() if 'lora_' in n]
 
-def merged_copy(module:nn.Module) -> nn.Module:
-    "A copy of `module` with every LoRA adapter merged into its base layer and the adapter layers replaced by their bases (what the release's loaders read)."
+def merged_state_dict(module:nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state dict with every active LoRA adapter folded into its base layer's weight (peft's `get_delta_weight`,
+    what `merge` adds) under the base layer's own name: the keys of the module without adapters. `module` is not changed."""
     from peft.tuners.tuners_utils import BaseTunerLayer
-    m = copy.deepcopy(module)
-    for name, layer in list(m.named_modules()):
-        if isinstance(layer, BaseTunerLayer) and name:
-            layer.merge()
-            parent, _, child = name.rpartition('.')
-            setattr(m.get_submodule(parent) if parent else m, child, layer.get_base_layer())
-    if hasattr(m, 'peft_config'): del m.peft_config
-    for flag in ('_hf_peft_config_loaded',):
-        if hasattr(m, flag): setattr(m, flag, False)
-    return m
+    sd = {k: v for k, v in module.state_dict().items() if '.lora_' not in k}
+    with torch.no_grad():
+        for name, layer in module.named_modules():
+            if isinstance(layer, BaseTunerLayer) and name:
+                k = f'{name}.base_layer.weight'
+                w = sd[k].float()
+                for a in layer.active_adapters: w = w + layer.get_delta_weight(a).float()
+                sd[k] = w.to(sd[k].dtype)
+    return {k.replace('.base_layer.', '.'): v for k, v in sd.items()}
+
+def merged_copy(module:nn.Module) -> nn.Module:
+    """A new `module` of the same class and config without adapters, holding `merged_state_dict(module)` (what the release's
+    loaders read). Built from the config, not deep-copied: a module sharded by FSDP2 carries its process group, which cannot
+    be copied (its units must be gathered first, as the loop's saving does); the parameters are made on the meta device
+    and take the merged tensors, so no second random copy of a large model is drawn."""
+    from accelerate import init_empty_weights
+    from diffusers import ModelMixin
+    sd = merged_state_dict(module)
+    with init_empty_weights():          # parameters only; buffers (rotary tables) are computed as usual
+        m = type(module).from_config(module.config) if isinstance(module, ModelMixin) else type(module)._from_config(module.config)
+    _, unexpected = m.load_state_dict(sd, strict=False, assign=True)
+    if hasattr(m, 'tie_weights'): m.tie_weights()          # a tied head is not in the state dict
+    if getattr(module, 'generation_config', None) is not None: m.generation_config = copy.deepcopy(module.generation_config)   # the release's sampling (not in config.json)
+    if unexpected or (empty := [n for n, t in m.named_parameters() if t.is_meta]):
+        raise RuntimeError(f"merging the adapters of a {type(module).__name__}: {sorted(unexpected)[:3] or 'no'} unexpected keys, "
+                           f"parameters {sorted(empty)[:3] if not unexpected else '?'} not in its state dict")
+    return m.train(module.training)
 
 # %% ../../nbs/05i_glm_train.ipynb #f7e13a73
 class GlmStages(nn.Module):
