@@ -67,6 +67,12 @@ def _instrument_training():
     def start_logging(self, resumed=None):  # runs after resume, before the first update
         model = self.acc.unwrap_model(self.model)
         REC['params_start'] = _flat(model.parameters())
+        REC['param_dtypes'] = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})   # as stored (FSDP2: the slices)
+        first = next((m for m in model.modules() if isinstance(getattr(m, 'weight', None), torch.nn.Parameter) and m.weight.requires_grad), None)
+        if first is not None:   # the dtype the first trained layer's weight has inside the forward (FSDP2's param_dtype casts it there)
+            def seen(m, args):
+                REC.setdefault('compute_dtype', str(m.weight.dtype)); h.remove()
+            h = first.register_forward_pre_hook(seen)
         if self.ema: REC['ema_start'] = _flat(self.ema.shadow_params)
         return _start_logging(self, resumed)
     def fit(self):

@@ -228,6 +228,9 @@ def fsdp_on_cpu_ranks(acc:Accelerator, plugin=None) -> bool:
     if plugin.fsdp_version != 2:
         raise ConfigError("FSDP on CPU ranks runs only as FSDP2: launch with --fsdp_version 2 (or fsdp_version: 2 in the accelerate config).")
     if acc.mixed_precision != 'no': plugin.set_mixed_precision(acc.mixed_precision)
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)    # pinned host memory needs an accelerator; the offload path itself runs
     # both shared states: AcceleratorState copies PartialState's distributed_type whenever it is built again
     PartialState._shared_state['distributed_type'] = AcceleratorState._shared_state['distributed_type'] = DistributedType.FSDP
     AcceleratorState._shared_state['fsdp_plugin'] = plugin
