@@ -101,6 +101,21 @@ def test_bf16_mixed_precision_with_cpu_offload_keeps_float32_master_weights(runs
     assert pipe.unet.dtype == torch.float32
 
 
+@pytest.mark.slow
+def test_cached_latents_and_text_embeddings_under_fsdp_match_ddp(shapes, tmp_path):
+    """`--cache_latents --cache_text_embeddings` under FSDP2: the ranks split the encoding with the frozen VAE and text
+    encoder (outside the sharded model's forward) into one on-disk cache, and train on it with DDP's losses (measured:
+    equal) and half the parameters each. Slow: a second data path of the fixture's run."""
+    args = ['--dataset', shapes, *ARGS, '--cache_latents', '--cache_text_embeddings']
+    launch('scripts/train_ldm.py', '--output_dir', tmp_path/'ddp', *args, probe=tmp_path/'p_ddp')
+    launch_fsdp('scripts/train_ldm.py', '--output_dir', tmp_path/'fsdp', *args, probe=tmp_path/'p_fsdp')
+    ddp, fsdp = rank_records(tmp_path/'p_ddp', 2), rank_records(tmp_path/'p_fsdp', 2)
+    for r in (0, 1):
+        assert fsdp[r]['losses'] == pytest.approx(ddp[r]['losses'], rel=1e-6, abs=1e-7), (fsdp[r]['losses'], ddp[r]['losses'])
+        assert fsdp[r]['params'].numel() < 0.6 * fsdp[r]['param_numel']
+    assert max_diff(unet(tmp_path/'ddp'), unet(tmp_path/'fsdp')) < 1e-4
+
+
 def test_fsdp_resume_is_exact(runs, shapes, tmp_path):
     "Resumed from the sharded step-2 checkpoint, the run ends with the uninterrupted run's weights and EMA, bit for bit."
     d, _, _ = runs
