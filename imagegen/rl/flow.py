@@ -11,7 +11,8 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..config import ConfigError
 
 # %% auto #0
-__all__ = ['flow_step_std', 'flow_sde_step', 'sde_window', 'flow_rollouts', 'flow_logprobs', 'flow_kl']
+__all__ = ['flow_step_std', 'flow_sde_step', 'sde_window', 'flow_rollouts', 'flow_logprobs', 'flow_kl', 'tiny_sd3_components',
+           'sd3_schedule', 'sd3_conditions', 'sd3_velocity', 'sd3_decode']
 
 # %% ../../nbs/06g_flow_grpo.ipynb #3e0409cf
 def flow_step_std(sigmas:torch.Tensor, i:int, noise_level:float) -> torch.Tensor:
@@ -74,3 +75,59 @@ def flow_kl(mean:torch.Tensor, ref_mean:torch.Tensor, sigmas:torch.Tensor, steps
     "The KL `(B, K)` between the policy's and the reference's Gaussian steps: one variance, so `|μ - μ_ref|² / (2 std²)` averaged over dimensions (exact: no estimator needed)."
     std = torch.stack([flow_step_std(sigmas, i, noise_level) for i in steps]).to(mean.device)
     return (mean - ref_mean).float().pow(2).flatten(2).mean(-1) / (2 * std ** 2)
+
+# %% ../../nbs/06g_flow_grpo.ipynb #aeb920f0
+def tiny_sd3_components(seed:int=0, image_size:int=32, width:int=32, text_dim:int=32, max_length:int=16) -> dict:
+    "Tiny random components of `StableDiffusion3Pipeline` (keys = its arguments; no T5), character-level CLIP tokenizers built offline."
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from imagegen.text import tiny_clip_tokenizer
+    torch.manual_seed(seed)
+    tok = tiny_clip_tokenizer(max_length)
+    clip = lambda: CLIPTextModelWithProjection(CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=text_dim, intermediate_size=2 * text_dim, projection_dim=text_dim, num_attention_heads=4,
+        num_hidden_layers=2, max_position_embeddings=max_length, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)).eval()
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(width, width), layers_per_block=1,
+                        down_block_types=('DownEncoderBlock2D',) * 2, up_block_types=('UpDecoderBlock2D',) * 2, norm_num_groups=8,
+                        sample_size=image_size, scaling_factor=1.5, shift_factor=0.1).eval()
+    transformer = SD3Transformer2DModel(sample_size=image_size // 2, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                        attention_head_dim=8, num_attention_heads=4, joint_attention_dim=2 * text_dim,
+                                        caption_projection_dim=32, pooled_projection_dim=2 * text_dim, pos_embed_max_size=32)
+    return dict(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=clip(), tokenizer=tok,
+                text_encoder_2=clip(), tokenizer_2=tok, text_encoder_3=None, tokenizer_3=None)
+
+def sd3_schedule(pipe, num_inference_steps:int) -> tuple[torch.Tensor, torch.Tensor]:
+    "The sigmas `(T+1,)` and transformer timesteps `(T,)` `StableDiffusion3Pipeline` samples with (its scheduler, shift and all)."
+    if getattr(pipe.scheduler.config, 'use_dynamic_shifting', False):
+        raise ConfigError("the scheduler shifts by image size (use_dynamic_shifting): pass the pipeline's mu, or use a scheduler with a fixed shift.")
+    pipe.scheduler.set_timesteps(num_inference_steps)
+    return pipe.scheduler.sigmas.clone(), pipe.scheduler.timesteps.clone()
+
+def sd3_conditions(pipe, prompts:list[str], guidance_scale:float=7.0, max_sequence_length:int=256) -> dict:
+    "The transformer's text inputs for `prompts`, from the pipeline's own `encode_prompt` (negatives of '' when guided), without gradient: the text encoders do not train here."
+    cfg = guidance_scale > 1
+    with torch.no_grad(): pe, npe, pooled, npooled = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=cfg,
+                                                  max_sequence_length=max_sequence_length, device=pipe.transformer.device)
+    return dict(prompt_embeds=pe, pooled=pooled, negative_prompt_embeds=npe, negative_pooled=npooled, guidance_scale=guidance_scale)
+
+def sd3_velocity(transformer, cond:dict, timesteps:torch.Tensor) -> Callable:
+    "`velocity(x, i)` for `flow_rollouts` / `flow_logprobs`: the SD3 transformer at step `i` as the pipeline calls it (guided on a doubled batch, negatives first)."
+    g = cond['guidance_scale']
+    def velocity(x, i):
+        x = x.to(transformer.dtype)
+        if g > 1:
+            v = transformer(hidden_states=torch.cat([x, x]), timestep=timesteps[i].expand(2 * len(x)),
+                            encoder_hidden_states=torch.cat([cond['negative_prompt_embeds'], cond['prompt_embeds']]),
+                            pooled_projections=torch.cat([cond['negative_pooled'], cond['pooled']]), return_dict=False)[0]
+            u, c = v.chunk(2)
+            return u + g * (c - u)
+        return transformer(hidden_states=x, timestep=timesteps[i].expand(len(x)), encoder_hidden_states=cond['prompt_embeds'],
+                           pooled_projections=cond['pooled'], return_dict=False)[0]
+    return velocity
+
+@torch.no_grad()
+def sd3_decode(pipe, latents:torch.Tensor, output_type:str='pil'):
+    "Images from final latents, as `StableDiffusion3Pipeline` decodes them (its scaling factor and shift undone)."
+    z = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+    return pipe.image_processor.postprocess(pipe.vae.decode(z, return_dict=False)[0], output_type=output_type)
