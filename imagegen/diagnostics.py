@@ -212,9 +212,15 @@ def distributed_check(accelerator=None) -> dict:
 # %% ../nbs/98_diagnostics.ipynb #7c2f9a40
 _EXIT_HOOKS = []
 
-def _destroy_default_group():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+def _destroy_default_group(barrier_timeout:float=30.0):
+    import datetime, torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()): return
+    if dist.get_backend() == 'gloo' and dist.get_world_size() > 1:
+        # leave together: a rank that tears its group down while a peer still talks to it can make that peer abort; at most
+        # `barrier_timeout` s, so a rank that died (or still works) does not hold the exit longer
+        try: dist.monitored_barrier(timeout=datetime.timedelta(seconds=barrier_timeout))
+        except Exception: pass
+    dist.destroy_process_group()
 
 def destroy_process_group_at_exit() -> bool:
     "Destroy torch.distributed's default process group when this process exits (registered once); True when this call registered it."
