@@ -110,11 +110,11 @@ def test_example_configs_resolve(path):
             500, 3e-5, 16, 0.1, 64, 25, True, 'reward_mean')
     elif path.stem.startswith('grpo_glm_'):   # GLM-Image's stage recipes: one stage each, training prompts, the oracle, guidance 3 as make main samples
         m, t = run_['model'], run_['train']
-        stage, i2i = path.stem.split('_')[2], '_edit_' in path.stem   # the edit recipe: image to image, SSIM to the target render
+        which, i2i = path.stem.split('_')[2], '_edit_' in path.stem   # the edit recipe: image to image, SSIM to the target render
         assert (m.stage, m.mode, m.reward, m.prompt_split, m.guidance_scale, m.num_inference_steps) == (
-            stage, 'i2i' if i2i else 't2i', {'ssim': 1.0} if i2i else {'oracle': 1.0}, 'train', 3.0, 10)
-        assert (t.max_steps, t.lr, run_['grpo'].group_size, m.train_steps) == (100, 1e-4 if stage == 'dit' else 3e-5, 8, None if stage == 'ar' else 3)
-        if stage == 'both':   # each grid decoded twice; the DiT at the DiT-only recipe's 1e-4
+            which, 'i2i' if i2i else 't2i', {'ssim': 1.0} if i2i else {'oracle': 1.0}, 'train', 3.0, 10)
+        assert (t.max_steps, t.lr, run_['grpo'].group_size, m.train_steps) == (100, 1e-4 if which == 'dit' else 3e-5, 8, None if which == 'ar' else 3)
+        if which == 'both':   # each grid decoded twice; the DiT at the DiT-only recipe's 1e-4
             assert (m.decoder_reward, m.decoder_group_size, round(t.lr * m.decoder_lr_scale, 6)) == ({'oracle': 1.0}, 2, 1e-4)
     elif grpo and path.stem.endswith('_ocr'):   # the OCR recipe: the text variant's training pairs, Tesseract's reading as reward
         m = run_['model']
