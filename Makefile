@@ -151,9 +151,9 @@ GLM_VAE_STEPS ?=
 GLM_GUIDANCE ?= 3
 define TRAIN_glm
 	$(LAUNCH) scripts/train_vae.py --config scripts/configs/main_glm_vae.yaml --output_dir $(MAIN)/glm-vae \
-	  --dataset_name shapes:n=$(N_GLM_TRAIN)$(if $(filter edit,$(TASK)),$(comma)level=mixed) $(if $(GLM_VAE_STEPS),--max_train_steps $(GLM_VAE_STEPS))
+	  --dataset_name shapes:n=$(N_GLM_TRAIN)$(if $(or $(filter edit,$(TASK)),$(filter mixed,$(LEVEL))),$(comma)level=mixed) $(if $(GLM_VAE_STEPS),--max_train_steps $(GLM_VAE_STEPS))
 	$(LAUNCH) scripts/train_glm_image.py --config scripts/configs/main_glm.yaml --output_dir $(MAIN)/glm --vae $(MAIN)/glm-vae/model \
-	  --dataset_name shapes:n=$(N_GLM_TRAIN) $(if $(GLM_STEPS),--max_train_steps $(GLM_STEPS))
+	  --dataset_name shapes:n=$(N_GLM_TRAIN)$(if $(filter mixed,$(LEVEL)),$(comma)level=mixed) $(if $(GLM_STEPS),--max_train_steps $(GLM_STEPS))
 	$(PY) scripts/sample.py --model $(MAIN)/glm/model --shapes_split test --n $(N_EVAL) --guidance $(GLM_GUIDANCE) --batch_size 50 --out $(MAIN)/glm-samples
 	$(PY) scripts/evaluate.py --samples $(MAIN)/glm-samples
 	$(PY) scripts/sample.py --model $(MAIN)/glm/model --shapes_split validation --n $(N_EVAL) --guidance $(GLM_GUIDANCE) --batch_size 50 --out $(MAIN)/glm-samples-seen
@@ -186,6 +186,7 @@ T2I_glide := $(MAIN)/glide/model
 SAMPLE_ARGS_ldm := --sampler dpmpp_2m --steps 20 --guidance 4
 SAMPLE_ARGS_gpt :=
 SAMPLE_ARGS_glide := --sampler dpmpp_2m --steps 20 --guidance 3
+SAMPLE_ARGS_glm = --guidance $(GLM_GUIDANCE) --batch_size 50
 define LEVEL2
 	$(PY) scripts/sample.py --model $(T2I_$(FAMILY)) --shapes_split test --shapes_level 2 --n $(N_EVAL) $(SAMPLE_ARGS_$(FAMILY)) \
 	  --out $(SAMPLES_$(FAMILY))-level2
@@ -202,7 +203,6 @@ main: check
 	@case "$(FAMILY)" in ldm|gpt|glide|glm) ;; *) echo "FAMILY=$(FAMILY): choose ldm, gpt, glide or glm"; exit 2;; esac
 	@case "$(TASK)/$(FAMILY)" in t2i/*|edit/ldm|edit/gpt|edit/glm) ;; *) echo "TASK=$(TASK) FAMILY=$(FAMILY): TASK is t2i, or edit with FAMILY=ldm, gpt or glm"; exit 2;; esac
 	@case "$(TASK)/$(LEVEL)" in */1|t2i/mixed) ;; *) echo "LEVEL=$(LEVEL) TASK=$(TASK): LEVEL is 1, or mixed with TASK=t2i"; exit 2;; esac
-	@case "$(FAMILY)/$(LEVEL)" in glm/mixed) echo "LEVEL=mixed FAMILY=glm: not yet; GLM-Image trains on single-object scenes here"; exit 2;; esac
 	$(BIN)/imagegen-diagnose
 	$(if $(filter glm,$(FAMILY)),,$(PY) scripts/make_shapes.py --out $(MAIN)/shapes --format imagefolder --level $(LEVEL) --n_train $(N_TRAIN) --n_validation 500 --n_test $(N_EVAL))
 	$(if $(and $(filter edit,$(TASK)),$(HAVE_T2I)),@echo "TASK=edit: starting from the text-to-image model in $(T2I_$(FAMILY)) (its first stage caps add/remove edits: evaluate.py prints the ceiling)",$(TRAIN_$(FAMILY)))

@@ -201,6 +201,14 @@ def test_main_level_mixed_trains_on_two_objects_and_scores_relations(tmp_path):
     assert '--random_flip' not in main_command(tmp_path, 'scripts/train_ldm.py')
     p = run(['make', '-s', 'main', f'MAIN={tmp_path}', 'LEVEL=2'], check=False)
     assert p.returncode != 0 and 'LEVEL is 1, or mixed' in p.stdout + p.stderr
+    # GLM-Image draws its scenes itself (no folder): both its VAE and its two stages on mixed scenes, the level-2 prompts
+    # sampled as make main samples the held-out ones
+    glm = lambda *needles, level='mixed': main_command(tmp_path, *needles, args=('FAMILY=glm', f'LEVEL={level}'))
+    for script in ('scripts/train_vae.py', 'scripts/train_glm_image.py'):
+        assert '--dataset_name shapes:n=4000,level=mixed ' in glm(script) and 'level=mixed' not in glm(script, level=1)
+    level2 = glm('scripts/sample.py', '--shapes_level 2')
+    assert f'--model {tmp_path}/glm/model' in level2 and '--guidance 3 --batch_size 50' in level2 and f'--out {tmp_path}/glm-samples-level2' in level2
+    assert glm('scripts/evaluate.py', 'glm-samples-level2')
 
 
 def test_main_edit_samples_at_each_familys_image_guidance(tmp_path):
