@@ -22,6 +22,25 @@ def launch_fsdp(script, *args, probe=None, timeout=600, launcher=()):
     return run(cmd, env={'ACCELERATE_USE_CPU': '1'}, timeout=timeout)
 
 
+def two_stage_grpo_under_fsdp_and_ddp(tmp_path, script:str, load, stages, tol:float):
+    """Run a two-stage GRPO test `script` (argv OUT split: rollout r on rank r; it writes OUT/seen_rank<r>.json, each update's
+    `[stage-1 ratio min, max, stage-2 min, max, ...]`) on 2 ranks under DDP and under FSDP2 (its rollouts inside
+    `full_policy`), and assert: ratio exactly 1 for both stages at each rank's first update under FSDP2, each rank's ratio
+    ranges DDP's to `tol`, and each stage's weights (`stages`: getters on `load(OUT/'model')`) DDP's to `tol`."""
+    (tmp_path/'grpo.py').write_text(script)
+    launch(tmp_path/'grpo.py', tmp_path/'ddp', 'split')
+    launch_fsdp(tmp_path/'grpo.py', tmp_path/'fsdp', 'split')
+    for r in (0, 1):
+        ddp, fsdp = ([v for x in json.loads((tmp_path/m/f'seen_rank{r}.json').read_text()) for v in x[:4]] for m in ('ddp', 'fsdp'))
+        assert fsdp[:4] == [1.0] * 4, f"rank {r}: the first update under FSDP2 had ratio ranges {fsdp[:4]}"
+        assert fsdp == pytest.approx(ddp, abs=tol), f"rank {r}: ratio ranges under FSDP2 {fsdp}, under DDP {ddp}"
+    a, b = (load(tmp_path/m/'model') for m in ('ddp', 'fsdp'))
+    flat = lambda mod: torch.cat([p.detach().flatten() for p in mod.parameters()])
+    for i, get in enumerate(stages):
+        gap = (flat(get(a)) - flat(get(b))).abs().max().item()
+        assert gap < tol, f"stage {i + 1}: FSDP2 ends {gap:.3g} away from DDP"
+
+
 @pytest.fixture(scope='module')
 def shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp('shapes')

@@ -92,21 +92,10 @@ def test_glm_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_glm_grpo_both_stages_under_fsdp_match_ddp(tmp_path):
-    "The same two-rank GRPO of both stages under FSDP2 (the rollouts inside `full_policy`): each rank's ratios and both stages' weights are DDP's. Slow: a second variant of the test above, run with `--slow`."
+    "The same two-rank GRPO of both stages under FSDP2: each rank's ratios and both stages' weights are DDP's (measured: equal; 1e-6 allows reduce-scatter's rounding). Slow: a second variant of the test above, run with `--slow`."
     from diffusers import GlmImagePipeline
-    from test_fsdp import launch_fsdp
-    (tmp_path/'ggrpo.py').write_text(GLM_GRPO)
-    launch(tmp_path/'ggrpo.py', tmp_path/'split', 'split')
-    launch_fsdp(tmp_path/'ggrpo.py', tmp_path/'fsdp', 'split')
-    ddp, fsdp = _seen(tmp_path/'split'), _seen(tmp_path/'fsdp')
-    # the same ratios on each rank and the same weights as DDP (measured: equal; 1e-6 allows reduce-scatter's rounding)
-    for r in (0, 1):
-        got = [v for x in fsdp[r] for v in x[:4]]
-        assert got[:4] == [1.0] * 4, f"rank {r}: the first update under FSDP2 had ratio ranges {got[:4]}"
-        assert got == pytest.approx([v for x in ddp[r] for v in x[:4]], abs=1e-6), f"rank {r}: ratio ranges under FSDP2 {got}"
-    a, c = (GlmImagePipeline.from_pretrained(tmp_path/m/'model') for m in ('split', 'fsdp'))
-    for stage, get in STAGES:
-        assert (flat(get(a)) - flat(get(c))).abs().max().item() < 1e-6, f"{stage}: FSDP2 ends away from DDP"
+    from test_fsdp import two_stage_grpo_under_fsdp_and_ddp
+    two_stage_grpo_under_fsdp_and_ddp(tmp_path, GLM_GRPO, GlmImagePipeline.from_pretrained, [get for _, get in STAGES], tol=1e-6)
 
 
 def test_train_grpo_script_dit_lora_image_to_image(tmp_path):

@@ -284,21 +284,11 @@ def test_hybrid_grpo_both_stages_two_ranks_match_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_hybrid_grpo_under_fsdp_matches_ddp(tmp_path):
-    "The same two-rank hybrid GRPO under FSDP2 (rollouts inside `full_policy`): each rank's ratio ranges and both stages' weights are DDP's. Slow: a second variant of the test above."
-    import json, torch
+    "The same two-rank hybrid GRPO under FSDP2: each rank's ratio ranges and both stages' weights are DDP's to 1e-5. Slow: a second variant of the test above."
     from imagegen.hybrid import HybridPipeline
-    from test_fsdp import launch_fsdp
-    (tmp_path/'hgrpo.py').write_text(HYBRID_GRPO)
-    launch(tmp_path/'hgrpo.py', tmp_path/'ddp', 'split')
-    launch_fsdp(tmp_path/'hgrpo.py', tmp_path/'fsdp', 'split')
-    for r in (0, 1):
-        ddp, fsdp = (json.loads((tmp_path/m/f'seen_rank{r}.json').read_text()) for m in ('ddp', 'fsdp'))
-        assert fsdp[0][:4] == [1.0] * 4, f"rank {r}: the first update under FSDP2 had ratio ranges {fsdp[0][:4]}"
-        assert [v for x in fsdp for v in x[:4]] == pytest.approx([v for x in ddp for v in x[:4]], abs=1e-5), (fsdp, ddp)
-    a, b = (HybridPipeline.from_pretrained(tmp_path/m/'model') for m in ('ddp', 'fsdp'))
-    flat = lambda mod: torch.cat([p.detach().flatten() for p in mod.parameters()])
-    for get in (lambda p: p.ar.gpt, lambda p: p.decoder.unet):
-        assert (flat(get(a)) - flat(get(b))).abs().max().item() < 1e-5
+    from test_fsdp import two_stage_grpo_under_fsdp_and_ddp
+    two_stage_grpo_under_fsdp_and_ddp(tmp_path, HYBRID_GRPO, HybridPipeline.from_pretrained, [lambda p: p.ar.gpt, lambda p: p.decoder.unet], tol=1e-5)
+
 
 def test_sample_script_on_a_hybrid_folder(tmp_path):
     "sample.py --model HYBRID: the GPT's images in OUT/base at its resolution, the decoder's in OUT at the full one; --upsampler is refused in one line."
