@@ -4,15 +4,18 @@
 
 # %% ../../nbs/06g_flow_grpo.ipynb #41522b92
 from __future__ import annotations
-import math
+import copy, math, random
 from typing import Callable, Sequence
 import torch
+from torch import nn
 from diffusers.utils.torch_utils import randn_tensor
 from ..config import ConfigError
 
 # %% auto #0
-__all__ = ['flow_step_std', 'flow_sde_step', 'sde_window', 'flow_rollouts', 'flow_logprobs', 'flow_kl', 'tiny_sd3_components',
-           'sd3_schedule', 'sd3_conditions', 'sd3_velocity', 'sd3_decode']
+__all__ = ['SD3_LORA_TARGETS', 'flow_step_std', 'flow_sde_step', 'sde_window', 'flow_rollouts', 'flow_logprobs', 'flow_kl',
+           'tiny_sd3_components', 'sd3_schedule', 'sd3_conditions', 'sd3_velocity', 'sd3_decode', 'sd3_grpo',
+           'sd3_flow_matching_loss', 'shapes_sd3_pipeline', 'sd3_encode_images', 'CaptionedLatents', 'SD3Trainable',
+           'SD3TextToImage']
 
 # %% ../../nbs/06g_flow_grpo.ipynb #3e0409cf
 def flow_step_std(sigmas:torch.Tensor, i:int, noise_level:float) -> torch.Tensor:
@@ -131,3 +134,160 @@ def sd3_decode(pipe, latents:torch.Tensor, output_type:str='pil'):
     "Images from final latents, as `StableDiffusion3Pipeline` decodes them (its scaling factor and shift undone)."
     z = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
     return pipe.image_processor.postprocess(pipe.vae.decode(z, return_dict=False)[0], output_type=output_type)
+
+# %% ../../nbs/06g_flow_grpo.ipynb #5874809f
+SD3_LORA_TARGETS = ['attn.to_q', 'attn.to_k', 'attn.to_v', 'attn.to_out.0', 'attn.add_q_proj', 'attn.add_k_proj', 'attn.add_v_proj', 'attn.to_add_out']
+
+def sd3_grpo(pipe, prompts:Callable, reward:Callable, steps:int, *, group_size:int=8, num_inference_steps:int=10, sde_steps:int=3,
+             noise_level:float=0.7, guidance_scale:float=4.0, clip_range:float=1e-2, updates:int=2, kl_coef:float=0.0, lr:float=3e-4,
+             lora_rank:int|None=8, max_sequence_length:int=8, output_type:str='pil', seed:int=0, on_step:Callable|None=None,
+             progress:bool=True) -> list[dict]:
+    """Flow-GRPO of `pipe.transformer` for `steps` steps (LoRA of rank `lora_rank` on `SD3_LORA_TARGETS`, or in full with None):
+    `prompts(step)` -> `(prompts, context)`, `reward(images, prompts, **context)` -> `(B,)`; `on_step(step, stats)` after each step.
+    Returns one dict of statistics per step."""
+    from tqdm.auto import tqdm
+    from imagegen.rl.grpo import clipped_objective, group_advantages
+    from imagegen.training.loop import derived_seed
+    if group_size < 2: raise ConfigError(f"group_size={group_size}: GRPO compares the rollouts of one prompt, so a group needs at least 2.")
+    if kl_coef < 0: raise ConfigError(f"kl_coef={kl_coef}: the KL weight must be >= 0 (0: no KL term).")
+    if steps < 1: raise ConfigError(f"steps={steps}: train at least one step.")
+    tr, ref = pipe.transformer, None                          # ref None with LoRA: the reference is the transformer, adapters off
+    if lora_rank:
+        from peft import LoraConfig
+        tr.requires_grad_(False)
+        tr.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights='gaussian', target_modules=SD3_LORA_TARGETS))
+    else:
+        tr.requires_grad_(True)
+        if kl_coef: ref = copy.deepcopy(tr).requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in tr.parameters() if p.requires_grad], lr, weight_decay=0.0)
+    window = sde_window(num_inference_steps, sde_steps)
+    sig, ts = sd3_schedule(pipe, num_inference_steps)
+    shape = (tr.config.in_channels, tr.config.sample_size, tr.config.sample_size)
+    history = []
+    for step in tqdm(range(steps), disable=not progress, desc='sd3 grpo'):
+        ps, context = prompts(step)
+        rows = [p for p in ps for _ in range(group_size)]
+        ctx = {k: [v for v in vs for _ in range(group_size)] for k, vs in context.items()}
+        one = sd3_conditions(pipe, ps, guidance_scale, max_sequence_length)
+        cond = {k: v.repeat_interleave(group_size, 0) if torch.is_tensor(v) else v for k, v in one.items()}
+        g = torch.Generator().manual_seed(derived_seed(seed, step))
+        tr.eval()
+        with torch.no_grad():
+            noise = torch.randn(len(rows), *shape, generator=g).to(tr.device)
+            ro = flow_rollouts(sd3_velocity(tr, cond, ts), noise, sig, window, noise_level, generator=g)
+            r = torch.as_tensor(reward(sd3_decode(pipe, ro['latents'][:, -1], output_type), rows, **ctx)).float()
+            ref_mean = None
+            if kl_coef and ref is None:
+                tr.disable_adapters()
+                try: _, ref_mean = flow_logprobs(sd3_velocity(tr, cond, ts), ro['latents'], sig, window, noise_level)
+                finally: tr.enable_adapters()
+            elif kl_coef: _, ref_mean = flow_logprobs(sd3_velocity(ref, cond, ts), ro['latents'], sig, window, noise_level)
+        adv, stats = group_advantages(r, group_size)
+        tr.train()
+        for u in range(updates):
+            lp, mean = flow_logprobs(sd3_velocity(tr, cond, ts), ro['latents'], sig, window, noise_level)
+            old = ro['sample_logp'][:, window].to(lp.device)
+            if u == 0: stats['first_ratio_dev'] = (lp.detach() - old).exp().sub(1).abs().max().item()
+            kl = flow_kl(mean, ref_mean, sig, window, noise_level) if kl_coef else None
+            loss, info = clipped_objective(lp, old, adv, clip_range, kl=kl, kl_coef=kl_coef)
+            opt.zero_grad(); loss.backward(); opt.step()
+        tr.eval()
+        stats = {'step': step, **stats, **{k: float(v) for k, v in info.items()}}
+        history.append(stats)
+        if on_step: on_step(step, stats)
+    return history
+
+# %% ../../nbs/06g_flow_grpo.ipynb #9241e9f0
+def sd3_flow_matching_loss(transformer, latents:torch.Tensor, prompt_embeds:torch.Tensor, pooled:torch.Tensor, scheduler,
+                           generator:torch.Generator|None=None, weighting_scheme:str='logit_normal', logit_mean:float=0.0,
+                           logit_std:float=1.0, mode_scale:float=1.29) -> torch.Tensor:
+    "SD3's flow-matching loss on `latents` (scaled, as the transformer sees them), as diffusers' SD3 training scripts compute it."
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+    n, T = len(latents), scheduler.config.num_train_timesteps
+    u = compute_density_for_timestep_sampling(weighting_scheme, n, logit_mean, logit_std, mode_scale, generator=generator)
+    idx = (u * T).long().clamp(0, T - 1)
+    timesteps = scheduler.timesteps[idx].to(latents.device)
+    sigmas = scheduler.sigmas[idx].to(latents.device, torch.float32).view(-1, *[1] * (latents.ndim - 1))
+    noise = torch.randn(latents.shape, generator=generator).to(latents.device, latents.dtype)
+    noisy = (1 - sigmas) * latents + sigmas * noise
+    pred = transformer(hidden_states=noisy.to(transformer.dtype), timestep=timesteps, encoder_hidden_states=prompt_embeds,
+                       pooled_projections=pooled, return_dict=False)[0]
+    w = compute_loss_weighting_for_sd3(weighting_scheme, sigmas).float()
+    return (w * (pred.float() - (noise - latents).float()) ** 2).flatten(1).mean(1).mean()
+
+def shapes_sd3_pipeline(vae, seed:int=0, num_layers:int=4, num_heads:int=4, head_dim:int=32, text_dim:int=64, text_layers:int=2,
+                        max_length:int=64, patch_size:int=1, shift:float=3.0):
+    "A `StableDiffusion3Pipeline` around the trained `AutoencoderKL` `vae`: a new `SD3Transformer2DModel` on its latents, two character-level CLIP encoders of `max_length` tokens (no T5), the release's scheduler."
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from imagegen.text import tiny_clip_tokenizer
+    if vae.config.shift_factor is None: vae.register_to_config(shift_factor=0.0)
+    size = vae.config.sample_size // 2 ** (len(vae.config.block_out_channels) - 1)
+    if size % patch_size: raise ConfigError(f"the VAE's {size}x{size} latents do not split into {patch_size}x{patch_size} patches: choose a patch_size that divides {size}.")
+    torch.manual_seed(seed)
+    tok = tiny_clip_tokenizer(max_length)
+    clip = lambda: CLIPTextModelWithProjection(CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=text_dim, intermediate_size=4 * text_dim, projection_dim=text_dim, num_attention_heads=4,
+        num_hidden_layers=text_layers, max_position_embeddings=max_length, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    c = vae.config.latent_channels
+    transformer = SD3Transformer2DModel(sample_size=size, patch_size=patch_size, in_channels=c, out_channels=c, num_layers=num_layers,
+                                        attention_head_dim=head_dim, num_attention_heads=num_heads, joint_attention_dim=2 * text_dim,
+                                        caption_projection_dim=num_heads * head_dim, pooled_projection_dim=2 * text_dim,
+                                        pos_embed_max_size=size // patch_size)
+    return StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae.eval(),
+                                    text_encoder=clip(), tokenizer=tok, text_encoder_2=clip(), tokenizer_2=tok, text_encoder_3=None, tokenizer_3=None)
+
+@torch.no_grad()
+def sd3_encode_images(pipe, images:torch.Tensor, batch_size:int=256) -> torch.Tensor:
+    "The transformer's latents `(B, C, h, w)` of `images` `(B, 3, H, W)` in [-1, 1]: the VAE's posterior means, shifted and scaled as the pipeline undoes them."
+    vae, out = pipe.vae, []
+    for x in images.split(batch_size):
+        z = vae.encode(x.to(vae.device, vae.dtype)).latent_dist.mean
+        out.append((z - vae.config.shift_factor) * vae.config.scaling_factor)
+    return torch.cat(out).float().cpu()
+
+class CaptionedLatents(torch.utils.data.Dataset):
+    "Cached latents and their captions: item `i` is `{'latents', 'caption'}`, the caption one of image `i`'s, drawn anew on every visit."
+    def __init__(self, latents:torch.Tensor, captions:list[list[str]], seed:int=0):
+        if len(latents) != len(captions): raise ValueError(f"{len(latents)} latents but {len(captions)} caption lists: give one list per image.")
+        self.latents, self.captions, self.rng = latents, captions, random.Random(seed)
+    def __len__(self): return len(self.latents)
+    def __getitem__(self, i): return {'latents': self.latents[i], 'caption': self.rng.choice(self.captions[i])}
+
+class SD3Trainable(nn.Module):
+    "The trained parts of a `StableDiffusion3Pipeline` (its transformer; its CLIP encoders when they train) as one module whose forward is the loss."
+    def __init__(self, pipe, train_text_encoders:bool=True):
+        super().__init__()
+        self.transformer = pipe.transformer
+        if train_text_encoders: self.text_encoder, self.text_encoder_2 = pipe.text_encoder, pipe.text_encoder_2
+        self._pipe = [pipe]                                   # in a list: not a submodule, so the frozen VAE stays out of the optimizer
+    def forward(self, latents:torch.Tensor, prompts:list[str], scheduler, max_sequence_length:int=8, weighting_scheme:str='logit_normal'):
+        pe, _, pooled, _ = self._pipe[0].encode_prompt(prompts, None, None, do_classifier_free_guidance=False, device=latents.device,
+                                                       max_sequence_length=max_sequence_length)
+        return sd3_flow_matching_loss(self.transformer, latents, pe, pooled, scheduler, weighting_scheme=weighting_scheme)
+
+class SD3TextToImage:
+    "A `StableDiffusion3Pipeline` as a task of the shared loop (`train`): SD3's flow-matching loss on `CaptionedLatents` batches."
+    def __init__(self, pipe, train_text_encoders:bool=True, caption_dropout:float=0.1, weighting_scheme:str='logit_normal',
+                 max_sequence_length:int=8, sample_prompts:list[str]|None=None, guidance_scale:float=4.0, num_inference_steps:int=20):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        if not 0 <= caption_dropout < 1: raise ConfigError(f"caption_dropout={caption_dropout}: a probability in [0, 1).")
+        self.pipe, self.caption_dropout, self.weighting_scheme, self.max_sequence_length = pipe, caption_dropout, weighting_scheme, max_sequence_length
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)   # for training: every timestep, never stepped
+        for m in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2): m.requires_grad_(False)
+        self.trainable = SD3Trainable(pipe, train_text_encoders).requires_grad_(True)
+        self.sample_prompts = list(sample_prompts or ['a red circle', 'a blue square', 'a small green triangle at the top left', 'a large yellow cross'])
+        self.guidance_scale, self.num_inference_steps = guidance_scale, num_inference_steps
+    def to(self, device): self.pipe.to(device); return self
+    def loss(self, model, batch:dict) -> torch.Tensor:
+        prompts = ['' if random.random() < self.caption_dropout else c for c in batch['caption']]
+        return model(batch['latents'], prompts, self.scheduler, self.max_sequence_length, self.weighting_scheme)
+    def generate(self, prompts:list[str], seed:int=0, **kwargs) -> list:
+        "PIL images of `prompts` from the pipeline with this task's settings, prompt `i` from seed `seed + i`."
+        kw = dict(num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale, max_sequence_length=self.max_sequence_length) | kwargs
+        return self.pipe(prompts, generator=[torch.Generator().manual_seed(seed + i) for i in range(len(prompts))], **kw).images
+    def sample(self, n:int|None=None, step:int|None=None):
+        ps = self.sample_prompts[:n] if n else self.sample_prompts
+        return self.generate(ps), ps
+    def save_pretrained(self, path): self.pipe.save_pretrained(path)
