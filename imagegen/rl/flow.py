@@ -164,6 +164,7 @@ def sd3_grpo(pipe, prompts:Callable, reward:Callable, steps:int, *, group_size:i
     sig, ts = sd3_schedule(pipe, num_inference_steps)
     shape = (tr.config.in_channels, tr.config.sample_size, tr.config.sample_size)
     history = []
+    tr.eval()                                                 # rollouts in eval mode; train mode only around the updates
     for step in tqdm(range(steps), disable=not progress, desc='sd3 grpo'):
         ps, context = prompts(step)
         rows = [p for p in ps for _ in range(group_size)]
@@ -171,7 +172,6 @@ def sd3_grpo(pipe, prompts:Callable, reward:Callable, steps:int, *, group_size:i
         one = sd3_conditions(pipe, ps, guidance_scale, max_sequence_length)
         cond = {k: v.repeat_interleave(group_size, 0) if torch.is_tensor(v) else v for k, v in one.items()}
         g = torch.Generator().manual_seed(derived_seed(seed, step))
-        tr.eval()
         with torch.no_grad():
             noise = torch.randn(len(rows), *shape, generator=g).to(tr.device)
             ro = flow_rollouts(sd3_velocity(tr, cond, ts), noise, sig, window, noise_level, generator=g)
@@ -271,10 +271,9 @@ class SD3TextToImage:
     "A `StableDiffusion3Pipeline` as a task of the shared loop (`train`): SD3's flow-matching loss on `CaptionedLatents` batches."
     def __init__(self, pipe, train_text_encoders:bool=True, caption_dropout:float=0.1, weighting_scheme:str='logit_normal',
                  max_sequence_length:int=8, sample_prompts:list[str]|None=None, guidance_scale:float=4.0, num_inference_steps:int=20):
-        from diffusers import FlowMatchEulerDiscreteScheduler
         if not 0 <= caption_dropout < 1: raise ConfigError(f"caption_dropout={caption_dropout}: a probability in [0, 1).")
         self.pipe, self.caption_dropout, self.weighting_scheme, self.max_sequence_length = pipe, caption_dropout, weighting_scheme, max_sequence_length
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)   # for training: every timestep, never stepped
+        self.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)   # for training: every timestep, never stepped
         for m in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2): m.requires_grad_(False)
         self.trainable = SD3Trainable(pipe, train_text_encoders).requires_grad_(True)
         self.sample_prompts = list(sample_prompts or ['a red circle', 'a blue square', 'a small green triangle at the top left', 'a large yellow cross'])
