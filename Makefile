@@ -23,6 +23,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || test -n "$(PYTHON)" || { echo "no Python 3.10 or later found on PATH: install one, or run make PYTHON=/path/to/python3"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
+	# DeepSpeed's setup imports torch: built against the torch above (no isolated build env), no ops compiled ahead
+	$(PIP) setuptools wheel && DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed
 	$(PIP) -e ".[dev]"
 	touch $@
 

@@ -3,7 +3,7 @@
 - `writes`: every file it opened for writing, renamed or removed (paths outside OUT);
 - from the shared training loop, if the script trains: the batches it saw (`epoch`, `step`, sample `key`s, captions),
   the step it started at after resuming, its trainable parameters and EMA shadow at the start and end (its own slices
-  under FSDP2; `param_numel` is the whole count), and, for a text
+  under FSDP2 and ZeRO-3; `param_numel` is the whole count), and, for a text
   model, the tokenizer vocabulary and text-encoder weights it trained with.
 Seen: Python `open`, renames, `shutil.rmtree`, `torch.save` and safetensors `save_file`; not seen: other native writers
 (tokenizers' tokenizer.json, TensorBoard event files: tests check those by name)."""
@@ -47,9 +47,10 @@ for _mod, _name in ((torch, 'save'), (safetensors.torch, 'save_file')):
 
 
 def _flat(params):
-    "The parameters as one vector: this rank's slices under FSDP2 (DTensors), the whole tensors otherwise."
+    "The parameters as one vector: this rank's slices under FSDP2 (DTensors) and DeepSpeed ZeRO-3 (`ds_tensor`), the whole tensors otherwise."
     import torch
-    return torch.cat([(p.to_local() if hasattr(p, 'to_local') else p).detach().float().flatten().cpu() for p in params])
+    part = lambda p: p.ds_tensor if hasattr(p, 'ds_tensor') else p.to_local() if hasattr(p, 'to_local') else p
+    return torch.cat([part(p).detach().float().flatten().cpu() for p in params])
 
 
 def _instrument_training():
@@ -80,7 +81,7 @@ def _instrument_training():
         finally:
             REC.update(rank=self.acc.process_index, world_size=self.acc.num_processes, end_step=self.step,
                        losses=list(self.history), params=_flat(self.acc.unwrap_model(self.model).parameters()),
-                       param_numel=sum(p.numel() for p in self.acc.unwrap_model(self.model).parameters()))   # whole sizes
+                       param_numel=sum(getattr(p, 'ds_numel', p.numel()) for p in self.acc.unwrap_model(self.model).parameters()))   # whole sizes
             if self.ema: REC['ema'] = _flat(self.ema.shadow_params)
             te = getattr(self.task, 'text_encoder', None)
             if te is not None: REC.update(vocab=te.tokenizer.get_vocab(), text_params=_flat(te.model.parameters()))

@@ -11,7 +11,7 @@ from torch import nn
 from accelerate.utils import extract_model_from_parallel
 import contextlib
 from ..training.checkpoints import unsharded
-from ..training.loop import derived_seed
+from ..training.loop import derived_seed, shards_weights
 from ..config import Config, ConfigError, UserError
 from fastcore.basics import patch
 from pathlib import Path
@@ -88,11 +88,11 @@ def clipped_objective(logp:torch.Tensor, old_logp:torch.Tensor, adv:torch.Tensor
 class RunPolicy:
     "What every GRPO task shares: for export, `policy_class` names the class whose `from_run(path, info)` rebuilds a run's policy from its `initial_model/` and `run_info.json` (`scripts/export_checkpoint.py` and the loop read the name; this module imports none of it, `imagegen.rl.run` sits above)."
     policy_class = 'imagegen.rl.run.GRPOPolicy'
-    sharded = None            # the prepared model, under FSDP2
+    sharded = None            # the prepared model, under FSDP2 or DeepSpeed ZeRO-3
 
     def setup(self, accelerator, model):
-        "Called by the loop once the model is prepared: under FSDP2 the policy is kept, so that rollouts can gather its whole weights (`full_policy`)."
-        self.sharded = model if accelerator.distributed_type == 'FSDP' else None
+        "Called by the loop once the model is prepared: under FSDP2 or ZeRO-3 the policy is kept, so that rollouts can gather its whole weights (`full_policy`)."
+        self.sharded = model if shards_weights(accelerator) else None
 
     def full_policy(self):
         "A context in which the policy's parts and samplers can be called outside its forward: under FSDP2 every unit is unsharded on every rank (the rollouts call the model's parts and sampling loops, not the sharded root), resharded after; otherwise nothing."

@@ -10,12 +10,14 @@ from accelerate import Accelerator
 from ..config import UserError, free_space, size_text
 
 # %% auto #0
-__all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS', 'write_atomic',
-           'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints', 'CheckpointError',
-           'DiskFullError', 'disk_full', 'free_gib', 'check_sharded_folder', 'check_checkpoint', 'usable_checkpoint',
-           'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'full_tensor', 'shard_like', 'resharded',
-           'unsharded', 'gathered', 'RunLocked', 'holder_gone', 'acquire_run_lock', 'check_output_dir',
-           'release_run_lock', 'Preempted', 'find_checkpoint', 'load_trained_weights']
+__all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'DS_STATES', 'DS_SAFE_GLOBALS', 'LOCK_FILE', 'EXIT_PREEMPTED',
+           'STOP_SIGNALS', 'write_atomic', 'list_checkpoints', 'latest_checkpoint', 'save_checkpoint',
+           'clean_partial_checkpoints', 'CheckpointError', 'DiskFullError', 'disk_full', 'free_gib',
+           'check_sharded_folder', 'deepspeed_ranks', 'check_deepspeed_folder', 'checkpoint_kind', 'check_checkpoint',
+           'usable_checkpoint', 'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'is_zero3', 'ema_view',
+           'full_tensor', 'shard_like', 'refresh_persistent', 'resharded', 'unsharded', 'gathered', 'RunLocked',
+           'holder_gone', 'acquire_run_lock', 'check_output_dir', 'release_run_lock', 'Preempted', 'find_checkpoint',
+           'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
 CKPT_PREFIX, TMP_PREFIX, LATEST = 'step_', '.tmp-', 'latest'
@@ -145,6 +147,51 @@ def check_sharded_folder(folder:str|Path):
             with open(f, 'rb') as fh: fh.seek(info.offset); data = fh.read(info.length)
             torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)
 
+DS_STATES = 'zero_pp_rank_*_model_states.pt'   # one per rank in a DeepSpeed checkpoint's folder, beside *_optim_states.pt
+# the only classes DeepSpeed's ZeRO checkpoints pickle beside tensors and plain containers (its stage and its loss scaler)
+DS_SAFE_GLOBALS = ('deepspeed.runtime.zero.config.ZeroStageEnum', 'deepspeed.runtime.fp16.loss_scaler.LossScaler',
+                   'deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler')
+
+def deepspeed_ranks(folder:str|Path) -> int:
+    "How many ranks wrote DeepSpeed checkpoint folder `folder` (its per-rank model-state files)."
+    return len(list(Path(folder).glob(DS_STATES)))
+
+def check_deepspeed_folder(folder:str|Path):
+    """Read a DeepSpeed checkpoint folder (`accelerate.save_state` under DeepSpeed: each rank's `*_model_states.pt` and
+    `*_optim_states.pt`) without running code. DeepSpeed loads these with `torch.load(weights_only=False)`, so code
+    planted in one would run; here each file's pickle is first scanned for the classes it names (nothing is built),
+    only DeepSpeed's own stage and loss-scaler classes may appear beside tensors, and then it is read with
+    `weights_only=True` allowing just those, which also finds a truncated file. Every rank's optimizer state must be there."""
+    import importlib, torch
+    folder = Path(folder)
+    files = sorted(folder.glob('*.pt'))
+    allowed, world = [], set()
+    for name in DS_SAFE_GLOBALS:
+        mod, _, cls = name.rpartition('.')
+        try: allowed.append(getattr(importlib.import_module(mod), cls))
+        except (ImportError, AttributeError): pass   # DeepSpeed not installed here: only plain files pass
+    for f in files:
+        try:
+            planted = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(str(f))) - set(DS_SAFE_GLOBALS))
+            if planted: raise CheckpointError(f"{f} names {planted[:3]}, which no DeepSpeed checkpoint holds: code planted in it would run when DeepSpeed loads it.")
+            with torch.serialization.safe_globals(allowed): state = torch.load(str(f), map_location='cpu', weights_only=True, mmap=True)
+            if f.name.endswith('_model_states.pt'): world.add(state.get('dp_world_size') if isinstance(state, dict) else None)
+        except CheckpointError: raise
+        except Exception as e:
+            raise CheckpointError(f"{f} cannot be read safely ({type(e).__name__}: {str(e)[:200]}): damaged, truncated, or not written by the training loop.") from None
+    if len(world) != 1 or not isinstance(n := next(iter(world)), int):
+        raise CheckpointError(f"{folder}: its model states name no single number of ranks ({sorted(map(str, world))}): damaged, or not written by DeepSpeed.")
+    for kind in ('model', 'optim'):
+        ranks = sorted(int(re.search(r'zero_pp_rank_(\d+)_', f.name).group(1)) for f in files if f.name.endswith(f'_{kind}_states.pt'))
+        if ranks != list(range(n)):
+            raise CheckpointError(f"{folder} was written by {n} ranks but holds the {kind} states of ranks {ranks}: a rank's file is missing (a run stopped while saving).")
+
+def checkpoint_kind(ckpt:str|Path) -> str:
+    "How checkpoint `ckpt` holds its model: 'fsdp' (FSDP2's slices), 'deepspeed' (ZeRO partitions) or 'ddp' (whole, from DDP or one process)."
+    ckpt = Path(ckpt)
+    if (ckpt/'pytorch_model_fsdp_0').is_dir(): return 'fsdp'
+    return 'deepspeed' if any(ckpt.glob(f'*/{DS_STATES}')) else 'ddp'
+
 def check_checkpoint(ckpt:str|Path) -> dict:
     "Read every file of checkpoint `ckpt` without running code; returns its trainer state, or raises `CheckpointError` naming the bad file."
     from safetensors import safe_open
@@ -155,9 +202,13 @@ def check_checkpoint(ckpt:str|Path) -> dict:
     except FileNotFoundError: raise CheckpointError(f"{ckpt} has no trainer_state.json: an incomplete checkpoint.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{st} is damaged ({e}).") from None
     if not isinstance(state, dict) or not isinstance(state.get('step'), int): raise CheckpointError(f"{st} is damaged (no step).")
-    if not any(ckpt.glob('model*.safetensors')) and not any(ckpt.glob('pytorch_model*.bin')) and not any(ckpt.glob('pytorch_model_fsdp_*/.metadata')):
-        raise CheckpointError(f"{ckpt} has no model weights (model.safetensors, or pytorch_model_fsdp_0/ when sharded): an incomplete or emptied checkpoint.")
-    for d in sorted(x for x in ckpt.iterdir() if x.is_dir()):   # FSDP2's sharded model and optimizer states
+    if not any(ckpt.glob('model*.safetensors')) and not any(ckpt.glob('pytorch_model*.bin')) and not any(ckpt.glob('pytorch_model_fsdp_*/.metadata')) \
+       and not any(ckpt.glob(f'*/{DS_STATES}')):
+        raise CheckpointError(f"{ckpt} has no model weights (model.safetensors; pytorch_model_fsdp_0/ under FSDP2; pytorch_model/ under "
+                              "DeepSpeed): an incomplete or emptied checkpoint.")
+    for d in sorted(x for x in ckpt.iterdir() if x.is_dir()):   # FSDP2's sharded model and optimizer states, DeepSpeed's partitions
+        if any(d.glob(DS_STATES)):
+            check_deepspeed_folder(d); continue
         if not (d/'.metadata').is_file():
             if any(d.glob('*.distcp')): raise CheckpointError(f"{d} has slices but no .metadata index: an incomplete checkpoint.")
             continue
@@ -219,7 +270,7 @@ def ema_targets(module, shadow:list, ckpt='') -> list[tuple[str, object]]:
     if pairs is None: raise ValueError(f"{ckpt}: the EMA has {len(shadow)} tensors but {type(module).__name__} trains {len(trained)} "
                                        f"parameters (of {len(named)}): a checkpoint of another model.")
     for i, ((name, p), s) in enumerate(zip(pairs, shadow)):
-        if p.shape != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
+        if getattr(p, 'ds_shape', p.shape) != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
     return pairs
 
 # %% ../../nbs/02a_checkpoints.ipynb #6c00f7e7
@@ -228,15 +279,49 @@ def is_sharded(t) -> bool:
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
 
-def full_tensor(t):
-    "The whole tensor of slice `t` (an all-gather: every rank calls it), or `t` itself when it is whole."
+def is_zero3(p) -> bool:
+    "Whether parameter `p` is partitioned by DeepSpeed ZeRO-3 (this rank's flat slice of it in `p.ds_tensor`)."
+    return hasattr(p, 'ds_id') and hasattr(p, 'ds_tensor')
+
+def ema_view(params:list) -> list:
+    """What an EMA of `params` averages on this rank: under ZeRO-3 each parameter's flat slice (`ds_tensor`, which the
+    optimizer's step writes; the parameter itself is an empty placeholder between forwards), else the parameter (its
+    `DTensor` slice under FSDP2, the whole tensor otherwise). A slice is shown as a parameter that shares its storage
+    (diffusers' `EMAModel` averages what requires a gradient and copies the rest)."""
+    import torch
+    return [torch.nn.Parameter(p.ds_tensor, requires_grad=True) if is_zero3(p) else p for p in params]
+
+def _zero3_full(part, p):
+    "The whole tensor of ZeRO-3 parameter `p` from this rank's flat slice `part` of it (or of its EMA): an all-gather over `p`'s group."
+    import torch, torch.distributed as dist
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(p.ds_process_group))]
+    dist.all_gather(parts, part.contiguous(), group=p.ds_process_group)
+    return torch.cat(parts)[:p.ds_numel].view(p.ds_shape)   # rank r holds elements [r*n, (r+1)*n) of the zero-padded flat tensor
+
+def full_tensor(t, like=None):
+    """The whole tensor of slice `t` (an all-gather: every rank calls it), or `t` itself when it is whole. A ZeRO-3 slice
+    (a flat `ds_tensor`, or an EMA of one) needs its parameter as `like`."""
+    if like is not None and is_zero3(like): return _zero3_full(t, like)
     return t.full_tensor() if is_sharded(t) else t
 
 def shard_like(full, like):
-    "Whole tensor `full` cut into this rank's slice the way `like` is sharded (`full` itself when `like` is whole)."
+    "Whole tensor `full` cut into this rank's slice the way parameter (or slice) `like` is sharded (`full` itself when `like` is whole)."
+    if is_zero3(like):
+        import torch, torch.distributed as dist
+        n, r = like.ds_tensor.numel(), dist.get_rank(like.ds_process_group)
+        flat = full.reshape(-1).to(like.ds_tensor.device, like.ds_tensor.dtype)[r * n:(r + 1) * n]
+        return torch.cat([flat, flat.new_zeros(n - flat.numel())])
     if not is_sharded(like): return full
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+def refresh_persistent(model):
+    """ZeRO-3 keeps small parameters whole on every rank (`stage3_param_persistence_threshold`) beside their slices, and
+    others whole for a while after a forward; after the slices were overwritten in place (an EMA swapped in or out) the
+    whole copies are rebuilt from them. Every rank
+    calls it; nothing happens without ZeRO-3."""
+    for p in model.parameters():
+        if is_zero3(p) and p.data.numel() == p.ds_numel: p.data.copy_(_zero3_full(p.ds_tensor, p))   # whole now: persistent, or still gathered
 
 def resharded(model):
     "Every FSDP2 unit of `model` back to its slices (the root unit stays gathered after a forward without a backward, as in sampling); nothing happens for an unsharded model."
@@ -249,8 +334,12 @@ def resharded(model):
 def unsharded(model):
     """Every FSDP2 unit of `model` unsharded for the block and resharded after, so that its parts and methods can be
     called outside the root's forward (a sampler's loop, GRPO's rollouts: parameters that belong to no block would
-    otherwise stay slices, and the call fails on a DTensor). Every rank enters it; nothing happens for an unsharded model."""
+    otherwise stay slices, and the call fails on a DTensor). Under DeepSpeed ZeRO-3, every parameter gathered whole (as
+    `gathered`). Every rank enters it; nothing happens for an unsharded model."""
     from torch.distributed.fsdp import FSDPModule
+    if any(is_zero3(p) for p in model.parameters()):
+        with gathered(model): yield model
+        return
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     # the outermost units set up their states first, as a forward through them would: a block called alone inside the
     # block would otherwise take itself for the root (torch's private `_lazy_init`, the step every root forward begins with)
@@ -270,6 +359,11 @@ def gathered(model):
     class again (`fully_shard` makes a `UNet2DConditionModel` an `FSDPUNet2DConditionModel`, the name diffusers and
     transformers would write into `model_index.json` and `config.json`)."""
     from torch.distributed.fsdp import FSDPModule
+    zero3 = [p for p in model.parameters() if is_zero3(p)]
+    if zero3:   # DeepSpeed ZeRO-3: every parameter gathered whole for the block (the persistent ones are whole already)
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(zero3): yield model
+        return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units: yield model; return
     for m in units: m.unshard()   # (FSDP2 registers its state-dict hooks lazily, at the first unshard or forward)

@@ -25,13 +25,14 @@ from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX,
                                           CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
                                           ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, resharded, shard_like, size_text, unsharded,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
-                                          write_atomic)
+                                          write_atomic, checkpoint_kind, deepspeed_ranks, ema_view, is_zero3, refresh_persistent)
 from .tracking import check_tracker, flat_params, run_info, scalars
 
 # %% auto #0
 __all__ = ['MIXED_PRECISION', 'TRACKERS', 'COMPILE_MODES', 'TRAIN_FLAGS', 'TRACKER_FILE', 'BEST_MODEL', 'INITIAL_MODEL',
            'TrainConfig', 'TrainTask', 'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer',
-           'make_accelerator', 'fsdp_requested', 'fsdp_on_cpu_ranks', 'fsdp_wrap_policy', 'TaskStream', 'Trainer',
+           'make_accelerator', 'deepspeed_setup', 'deepspeed_zero_stage', 'shards_weights', 'base_optimizer',
+           'fsdp_requested', 'fsdp_on_cpu_ranks', 'fsdp_wrap_policy', 'TaskStream', 'Trainer',
            'check_compiled_gradients', 'mlflow_uri', 'NonFiniteLossError', 'train', 'OutOfMemory']
 
 # %% ../../nbs/02c_loop.ipynb #beaf4262
@@ -211,7 +212,66 @@ def make_accelerator(cfg:TrainConfig, **kwargs) -> Accelerator:
                       project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir)/'logs')),
                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed), **kwargs)
     fsdp_on_cpu_ranks(acc, kwargs.get('fsdp_plugin'))
+    deepspeed_setup(acc, cfg)
     return acc
+
+def deepspeed_setup(acc:Accelerator, cfg:TrainConfig) -> dict|None:
+    """Complete the DeepSpeed config the launcher gave (`accelerate launch --config_file scripts/configs/accelerate/zero2.yaml`
+    or `zero3.yaml`, or `--use_deepspeed --zero_stage N`) from the loop's own settings, and return it (None without DeepSpeed):
+    - `train_micro_batch_size_per_gpu`: `batch_size` (accelerate reads it off a prepared loader, which a task's own stream is not);
+    - `gradient_clipping`: `max_grad_norm` (DeepSpeed clips inside its step; a different value in the file is refused);
+    - bf16 (`--mixed_precision bf16`) becomes DeepSpeed's `torch_autocast`: the weights stay float32 and the forward
+      autocasts to bfloat16, as under DDP and FSDP2 (DeepSpeed's own bf16 mode turns the model's weights into bfloat16,
+      which the tasks' float32 inputs do not meet); with float32 weights DeepSpeed skips a step whose gradient norm is
+      not finite, and the loop counts it as the NaN guard does elsewhere;
+    - `zero3_init_flag` is refused: it builds every transformers model partitioned, the frozen text encoders that the
+      tasks call outside DeepSpeed's engine included. The trained model is partitioned when it is prepared; the frozen
+      parts stay whole (they are never given to DeepSpeed), as in diffusers' scripts.
+    On CPU ranks (tests) accelerate 1.15 starts DeepSpeed's gloo group but counts one process; the count is set right here."""
+    if acc.distributed_type != DistributedType.DEEPSPEED: return None
+    import torch.distributed as dist
+    if dist.is_initialized() and acc.num_processes != dist.get_world_size():
+        fix = dict(num_processes=dist.get_world_size(), process_index=dist.get_rank(), backend=dist.get_backend(),
+                   local_process_index=int(os.environ.get('LOCAL_RANK', dist.get_rank())))
+        PartialState._shared_state.update(fix); AcceleratorState._shared_state.update(fix)
+    plugin = acc.state.deepspeed_plugin
+    if plugin.zero3_init_flag:
+        raise ConfigError("DeepSpeed's zero3_init_flag builds every transformers model partitioned, the frozen text encoders the loop "
+                          "calls outside DeepSpeed's engine included: launch with --zero3_init_flag false (as scripts/configs/accelerate/zero3.yaml does).")
+    ds = plugin.deepspeed_config
+    if ds.get('train_micro_batch_size_per_gpu', 'auto') == 'auto': ds['train_micro_batch_size_per_gpu'] = cfg.batch_size
+    clip = float(cfg.max_grad_norm or 0.0)
+    if ds.get('gradient_clipping', 'auto') in ('auto', None): ds['gradient_clipping'] = clip
+    elif float(ds['gradient_clipping']) != clip:
+        raise ConfigError(f"the DeepSpeed config clips gradients at {ds['gradient_clipping']} but max_grad_norm={cfg.max_grad_norm}: "
+                          "set one of them (gradient_clipping: auto takes max_grad_norm).")
+    if ds.get('fp16', {}).get('enabled') is True:
+        raise ConfigError("fp16 under DeepSpeed: train in bf16 (--mixed_precision bf16) or float32; the loop's models keep float32 weights for bf16 autocast.")
+    if int(plugin.zero_stage) == 3:
+        # diffusers' EMAModel wraps its steps in `deepspeed.zero.GatheredParameters` whenever ZeRO-3 is on, but imports
+        # deepspeed only if ZeRO-3 was on when diffusers itself was imported (before any launcher state): supply the name.
+        # The loop's EMA steps on each rank's slices (`ema_view`), where that context does nothing.
+        import deepspeed, diffusers.training_utils as _tu
+        if not hasattr(_tu, 'deepspeed'): _tu.deepspeed = deepspeed
+    if ds.get('bf16', {}).get('enabled') is True:
+        ds['bf16'] = {'enabled': False}
+        ds.setdefault('torch_autocast', {'enabled': True, 'dtype': 'bfloat16'})
+    return ds
+
+def deepspeed_zero_stage(acc:Accelerator) -> int:
+    "The ZeRO stage of a DeepSpeed run (0 without DeepSpeed)."
+    return int(acc.state.deepspeed_plugin.zero_stage) if acc.distributed_type == DistributedType.DEEPSPEED else 0
+
+def shards_weights(acc:Accelerator) -> bool:
+    "Whether no rank holds the whole model between forwards (FSDP2, DeepSpeed ZeRO-3): gathering it is collective, so every rank takes part in sampling and saving."
+    return acc.distributed_type == DistributedType.FSDP or deepspeed_zero_stage(acc) == 3
+
+def base_optimizer(opt) -> torch.optim.Optimizer:
+    "The torch optimizer under accelerate's (and DeepSpeed's ZeRO) wrappers: what a learning-rate schedule drives."
+    from accelerate.optimizer import AcceleratedOptimizer
+    if isinstance(opt, AcceleratedOptimizer): opt = opt.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, 'optimizer'): opt = opt.optimizer
+    return opt
 
 def fsdp_requested() -> bool:
     "Whether the launcher asked for FSDP (`accelerate launch --use_fsdp` or a config file with `distributed_type: FSDP` sets `ACCELERATE_USE_FSDP`)."
@@ -316,15 +376,30 @@ def _setup(self:Trainer, dataloader):
     self.max_steps = cfg.max_steps or self._steps_from_epochs()
     # not prepared: stepped once per update, so its state does not depend on the number of processes
     # neither is registered with accelerate (which would pickle them): their state goes to trainer_state.json / ema.safetensors
-    self.sched = get_scheduler(cfg.lr_scheduler, self.opt.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.max_steps)
+    self.sched = get_scheduler(cfg.lr_scheduler, base_optimizer(self.opt), num_warmup_steps=cfg.warmup_steps, num_training_steps=self.max_steps)
     if cfg.ema:
-        params = ema_parameters(acc.unwrap_model(self.model))
+        params = self._ema_params()
         # under FSDP2 the EMA is sharded like the weights (each rank averages its slices); torch has no DTensor rule for
-        # diffusers' foreach copy, so a sharded EMA steps and swaps tensor by tensor
+        # diffusers' foreach copy, so a sharded EMA steps and swaps tensor by tensor. Under ZeRO-3 it averages each
+        # rank's flat slices (`ema_view`); under DeepSpeed's bf16 the model's own weights are bfloat16, the EMA float32.
         self.ema = EMAModel(params, decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
                             use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power, foreach=cfg.foreach_ema and not any(map(is_sharded, params)))
-        self.ema.to(acc.device)
+        self.ema.to(acc.device, dtype=torch.float32)
     if hasattr(self.task, 'setup'): self.task.setup(acc, self.model)
+
+@patch
+def _ema_params(self:Trainer) -> list:
+    "What the EMA averages: the trained parameters (`ema_parameters`), as this rank holds them (`ema_view`)."
+    return ema_view(ema_parameters(self.acc.unwrap_model(self.model)))
+
+@patch
+def _ema_swap(self:Trainer, on:bool):
+    "Swap the EMA weights into the model (`on`) or the trained ones back; every rank calls it under ZeRO-3, whose whole small parameters are rebuilt."
+    if not self.ema: return
+    params = self._ema_params()
+    if on: self.ema.store(params); self.ema.copy_to(params)
+    else: self.ema.restore(params)
+    if deepspeed_zero_stage(self.acc) == 3: refresh_persistent(self.acc.unwrap_model(self.model))
 
 @patch
 def _steps_from_epochs(self:Trainer) -> int:
@@ -387,11 +462,17 @@ def _resume(self:Trainer) -> Path|None:
     if self.cfg.resume is None: return None
     ckpt = self._pick_checkpoint()
     if ckpt is None: return None
-    written_sharded, fsdp = (ckpt/'pytorch_model_fsdp_0').is_dir(), self.acc.distributed_type == DistributedType.FSDP
-    if written_sharded != fsdp:   # torch's distributed checkpoint reshards to any number of ranks, but not to or from DDP
-        how = ("under FSDP2 (each rank's slices): resume it under FSDP2, on any number of ranks (accelerate launch "
-               "--config_file scripts/configs/accelerate/fsdp2.yaml)") if written_sharded else \
-              "without sharding (DDP or one process): resume it that way, on any number of ranks"
+    written = checkpoint_kind(ckpt)
+    now = {DistributedType.FSDP: 'fsdp', DistributedType.DEEPSPEED: 'deepspeed'}.get(self.acc.distributed_type, 'ddp')
+    ds_ranks = deepspeed_ranks(ckpt/'pytorch_model') if written == 'deepspeed' else 0
+    if written != now or ds_ranks not in (0, self.acc.num_processes):
+        # torch's distributed checkpoint reshards to any number of ranks, but not to or from DDP; DeepSpeed's ZeRO
+        # partitions load only on as many ranks as wrote them
+        how = {'fsdp': "under FSDP2 (each rank's slices): resume it under FSDP2, on any number of ranks (accelerate launch "
+                       "--config_file scripts/configs/accelerate/fsdp2.yaml)",
+               'deepspeed': f"under DeepSpeed ZeRO by {ds_ranks} ranks: resume it under DeepSpeed on {ds_ranks} ranks (accelerate launch "
+                            f"--config_file scripts/configs/accelerate/zero2.yaml or zero3.yaml --num_processes {ds_ranks})",
+               'ddp': "without sharding (DDP or one process): resume it that way, on any number of ranks"}[written]
         raise CheckpointError(f"{ckpt} was written {how}; or export its weights with scripts/export_checkpoint.py and start "
                               "a new run from them (--pretrained_model_name_or_path) in a new output_dir.")
     try: self.acc.load_state(str(ckpt))   # model (safetensors), optimizer and random states (weights_only=True)
@@ -407,7 +488,7 @@ def _resume(self:Trainer) -> Path|None:
             model = self.acc.unwrap_model(self.model)
             keep = {id(p) for p in ema_parameters(model)}
             shadow = [s for (_, p), s in zip(ema_targets(model, shadow, ckpt), shadow) if id(p) in keep]
-            shadow = [shard_like(s, cur) for s, cur in zip(shadow, self.ema.shadow_params)]   # FSDP2: this rank's slices
+            shadow = [shard_like(s, p) for s, p in zip(shadow, ema_parameters(model))]   # FSDP2, ZeRO-3: this rank's slices
             self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow}); self.ema.to(self.acc.device)
     self.step, self.epoch, self.bad_total, self.bad_samples = st['step'], st['epoch'], st['bad_steps_total'], st.get('bad_samples', 0)
     self.epoch_sums, self.epoch_metrics = st['epoch_sums'], st['epoch_metrics']
@@ -536,20 +617,20 @@ def _log_images(self:Trainer, grid:Image.Image, path:Path):
 # %% ../../nbs/02c_loop.ipynb #8d096ac8
 @patch
 def _sample(self:Trainer):
-    # under FSDP2 every forward gathers weights from every rank, so every rank samples (the same prompts and steps) and
+    # under FSDP2 (and ZeRO-3) every forward gathers weights from every rank, so every rank samples (the same prompts and steps) and
     # the main process writes; elsewhere the main process samples alone
-    sharded = self.acc.distributed_type == DistributedType.FSDP
+    sharded = shards_weights(self.acc)   # FSDP2, ZeRO-3
     if not hasattr(self.task, 'sample') or not (self.acc.is_main_process or sharded): return None
     model = self.acc.unwrap_model(self.model)
     was_training = model.training
-    if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
+    self._ema_swap(True)
     try:
         model.eval()
         n = len(self.cfg.validation_prompts) if self.cfg.validation_prompts else self.cfg.n_samples
         with torch.no_grad(), unsharded(model): out = self.task.sample(n, self.step)   # FSDP2: samplers call parts outside the root's forward
     finally:
         resharded(model)   # FSDP2: the root unit stays gathered after a forward without backward; the EMA swaps slices
-        if self.ema: self.ema.restore(ema_parameters(model))
+        self._ema_swap(False)
         model.train(was_training)
     images, captions = out if isinstance(out, tuple) else (out, None)
     if not images or not self.acc.is_main_process: return None
@@ -566,11 +647,13 @@ class NonFiniteLossError(RuntimeError):
 @patch
 def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dict:
     cfg, acc = self.cfg, self.acc
-    # the norm is computed even without clipping (max_norm=inf scales by 1): a non-finite gradient is never applied
+    # the norm is computed even without clipping (max_norm=inf scales by 1): a non-finite gradient is never applied.
+    # DeepSpeed has stepped already, inside `acc.backward` (clipping at its config's gradient_clipping, skipping the step
+    # and clearing the gradients when their norm is not finite); this is the norm it saw
     gn = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float('inf'))
     # torch returns a CPU zero when no parameter has a gradient: bring the norm to the losses' device
     if is_sharded(gn): gn = gn.full_tensor()   # FSDP2: the norm over every rank's slices, as a replicated DTensor
-    gn = torch.zeros((), device=sums.device) if gn is None else gn.detach().float().to(sums.device)
+    gn = torch.zeros((), device=sums.device) if gn is None else torch.as_tensor(gn).detach().float().to(sums.device)
     bad = sums[-1] > 0
     if acc.mixed_precision != 'fp16': bad = bad | ~torch.isfinite(gn)
     # one read from the device per update: the losses, the verdict and the norm; the host's own counts join them
@@ -585,8 +668,8 @@ def _update(self:Trainer, sums:torch.Tensor, n_micro:int, keys:list[str]) -> dic
     self.bad_samples += int(round(vals[-2]))   # bad samples met by every worker of every rank
     if vals[-4] > 0: self._skip_bad(logs)
     else:
-        self.opt.step()
-        if self.ema: self.ema.step(ema_parameters(acc.unwrap_model(self.model)))
+        self.opt.step()   # (a no-op under DeepSpeed)
+        if self.ema: self.ema.step(self._ema_params())
         self.bad_run = 0
     self.opt.zero_grad(set_to_none=True)
     self.sched.step()
@@ -688,14 +771,15 @@ def _checkpoint(self:Trainer) -> Path:
     model = self.acc.unwrap_model(self.model)
     named = list(model.named_parameters())
     # each rank checks its slice (FSDP2) or its replica; the first bad index over all ranks decides, so every rank stops alike
-    local = next((i for i, (_, p) in enumerate(named) if not torch.isfinite(p.to_local() if is_sharded(p) else p).all()), len(named))
-    sharded = bool(named) and is_sharded(named[0][1])
+    local = next((i for i, (_, p) in enumerate(named) if not torch.isfinite(p.ds_tensor if is_zero3(p) else p.to_local() if is_sharded(p) else p).all()), len(named))
+    sharded = bool(named) and (is_sharded(named[0][1]) or is_zero3(named[0][1]))
     first = int(self.acc.gather(torch.tensor([local], device=self.acc.device)).min()) if sharded and self.acc.num_processes > 1 else local
     if first < len(named):   # never write a checkpoint that a resume (or `latest`) would take for a good one
         raise NonFiniteLossError(f"step {self.step}: parameter {named[first][0]} is not finite; no checkpoint written. The last good "
                                  f"checkpoint is {latest_checkpoint(self.ckpt_dir)}.")
     # the EMA file holds whole tensors whatever the sharding (every rank gathers, the main process writes)
-    tensors = {EMA_FILE: {str(i): full_tensor(t) for i, t in enumerate(self.ema.shadow_params)}} if self.ema else None
+    trained = ema_parameters(model)
+    tensors = {EMA_FILE: {str(i): full_tensor(t, p) for i, (t, p) in enumerate(zip(self.ema.shadow_params, trained))}} if self.ema else None
     try: self.last_ckpt = save_checkpoint(self.acc, self.ckpt_dir, self.step, self._trainer_state(), self.info, self.cfg.checkpoints_total_limit,
                                           tensors=tensors)
     except (OSError, RuntimeError) as e:
@@ -728,8 +812,8 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
     path = Path(path or self.out/'model')
     self.acc.wait_for_everyone()
     model = self.acc.unwrap_model(self.model)
-    # every rank swaps in its (slice of the) EMA and, under FSDP2, gathers the full weights; the main process writes
-    if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
+    # every rank swaps in its (slice of the) EMA and, under FSDP2 or ZeRO-3, gathers the full weights; the main process writes
+    self._ema_swap(True)
     try:
         with gathered(model):
             if self.acc.is_main_process:
@@ -744,8 +828,7 @@ def save_model(self:Trainer, path:str|Path|None=None) -> Path:
                     if not disk_full(e): raise
                     raise DiskFullError(f"no space left to save the model in {path} ({free_gib(path)} free). The run's checkpoints are intact "
                                         f"(latest: {latest_checkpoint(self.ckpt_dir)}): free space and export it with scripts/export_checkpoint.py.") from None
-    finally:
-        if self.ema: self.ema.restore(ema_parameters(model))
+    finally: self._ema_swap(False)
     if self.acc.is_main_process and getattr(self, 'info', None):
         write_atomic(path/'run_info.json', json.dumps(self.info | {'step': self.step}, indent=1))  # what made these weights
     self.acc.wait_for_everyone()
@@ -759,16 +842,16 @@ def _evaluate(self:Trainer, bar=None) -> dict:
     "Score the current (EMA) weights with `task.evaluate(step)` on the main process; log the scores, keep the best model, count towards early stopping."
     from accelerate.utils import broadcast_object_list
     cfg, acc, scores = self.cfg, self.acc, None
-    if acc.is_main_process or acc.distributed_type == DistributedType.FSDP:   # FSDP2: every rank runs the (collective) forwards; the main process's scores count
+    if acc.is_main_process or shards_weights(acc):   # FSDP2, ZeRO-3: every rank runs the (collective) forwards; the main process's scores count
         model = self.acc.unwrap_model(self.model)
         was_training = model.training
-        if self.ema: self.ema.store(ema_parameters(model)); self.ema.copy_to(ema_parameters(model))
+        self._ema_swap(True)
         try:
             model.eval()
             with torch.no_grad(), unsharded(model): scores = {str(k): float(v) for k, v in self.task.evaluate(self.step).items()}
         finally:
             resharded(model)
-            if self.ema: self.ema.restore(ema_parameters(model))
+            self._ema_swap(False)
             model.train(was_training)
     if acc.num_processes > 1: scores = broadcast_object_list([scores if acc.is_main_process else None])[0]
     if cfg.tracker != 'none': acc.log({f'eval/{k}': v for k, v in scores.items()}, step=self.step)
@@ -824,8 +907,12 @@ def _save_initial_model(self:Trainer) -> Path|None:
     "A task that can reload itself (`save_pretrained` + `from_pretrained`) is saved once before the first step: the frozen parts and the starting weights, which `scripts/export_checkpoint.py` joins with any checkpoint's trained weights."
     path = self.out/INITIAL_MODEL
     reloads = hasattr(type(self.task), 'from_pretrained') or hasattr(type(self.task), 'policy_class')   # policy_class: rebuilt with run_info.json (GRPO)
-    if not (hasattr(self.task, 'save_pretrained') and reloads) or path.exists(): return None
-    with gathered(self.acc.unwrap_model(self.model)):   # FSDP2: every rank gathers, the main process writes
+    if not (hasattr(self.task, 'save_pretrained') and reloads): return None
+    # every rank looks before any writes: a rank that looked after the main process's rename would skip the barriers below
+    exists = path.exists()
+    self.acc.wait_for_everyone()
+    if exists: return None
+    with gathered(self.acc.unwrap_model(self.model)):   # FSDP2, ZeRO-3: every rank gathers, the main process writes
         if self.acc.is_main_process:
             tmp = self.out/f"{TMP_PREFIX}{INITIAL_MODEL}"
             if tmp.exists(): shutil.rmtree(tmp)
@@ -864,7 +951,7 @@ def _lock(self:Trainer):
 def _disk_problem(self:Trainer) -> tuple|None:
     "Not enough free space for two checkpoints (a new one is complete before the oldest is deleted): the reason, else None."
     params = [p for p in self.acc.unwrap_model(self.model).parameters() if p.requires_grad]
-    need = sum(p.numel() * 4 for p in params) * (3 + bool(self.ema))   # weights + two AdamW moments (+ EMA), float32
+    need = sum(getattr(p, 'ds_numel', p.numel()) * 4 for p in params) * (3 + bool(self.ema))   # weights + two AdamW moments (+ EMA), float32
     free = shutil.disk_usage(self.out).free
     if free >= 2 * need: return None
     return ('UserError', f"{self.out} has {size_text(free)} free, but each checkpoint needs about {size_text(need)} and two "
