@@ -200,3 +200,23 @@ def test_family_trains_under_zero3_like_ddp(family, tmp_path):
     assert z3[0]['params'].numel() < 0.6 * ddp[0]['params'].numel()
     a, b = folder_tensors(tmp_path/'ddp'/'model'), folder_tensors(tmp_path/'zero3'/'model')
     close_to_ddp(a, b)
+
+
+def test_grpo_under_zero3_matches_ddp(tmp_path):
+    """GRPO of a latent GPT under ZeRO-3: its rollouts call the GPT's sampler outside DeepSpeed's forward with every
+    parameter gathered (`full_policy`), the ratio is exactly 1 at each rollout's first update on each rank, and after
+    4 SGD steps the weights are DDP's to 1e-5 (the same rollouts; only the reduction's rounding differs)."""
+    from safetensors.torch import load_file
+    from test_fsdp import GPT_GRPO
+    (tmp_path/'grpo.py').write_text(GPT_GRPO)
+    launch(tmp_path/'grpo.py', tmp_path/'ddp')
+    launch_zero(3, tmp_path/'grpo.py', tmp_path/'zero3')
+    for r in (0, 1):
+        seen = json.loads((tmp_path/'zero3'/f'seen_rank{r}.json').read_text())
+        assert seen[0] == [1.0, 1.0] and seen[2] == [1.0, 1.0], f"rank {r}: ratio ranges {seen} (first updates of the two rollouts must be 1)"
+        ddp = json.loads((tmp_path/'ddp'/f'seen_rank{r}.json').read_text())
+        assert sum(seen, []) == pytest.approx(sum(ddp, []), abs=1e-5), (seen, ddp)
+    assert (tmp_path/'zero3'/'samples').is_dir(), "the validation grid (sampled from the gathered policy on every rank) was not written"
+    files = lambda d: sorted((tmp_path/d/'model').rglob('*.safetensors'))
+    a, b = ({k: v for f in files(d) for k, v in load_file(str(f)).items()} for d in ('ddp', 'zero3'))
+    assert max_diff(a, b) < 1e-5, max_diff(a, b)
