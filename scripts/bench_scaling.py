@@ -14,7 +14,7 @@ def _bench_training():
 def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str):
     "One process of a launch: train the benchmark UNet with the shared loop; rank 0 writes the loop's images/s (every rank's images) to `out`."
     import torch
-    from imagegen.training.loop import TrainConfig, make_accelerator, train
+    from imagegen.training.loop import TrainConfig, Trainer, base_optimizer, deepspeed_zero_stage, make_accelerator
     bt = _bench_training()
     with tempfile.TemporaryDirectory() as d:
         # a step with a non-finite gradient is skipped and counted (the loop's guard), not the end of a throughput run
@@ -24,31 +24,45 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
         acc = make_accelerator(cfg)   # the launch's ranks (a bare PartialState on CPU ranks can see one)
         n = acc.num_processes
         task = bt.NoisePrediction(bt.tiny_unet(resolution))
-        res = train(task, bt.bench_data(steps * batch_size * n, batch_size, resolution), cfg, accelerator=acc)
-    # the weights this rank holds after training (its slices under FSDP2): gradients and AdamW's two moments are
-    # sharded the same way and are float32 too, so the training state per rank is 4x this
-    held = sum((p.to_local() if hasattr(p, 'to_local') else p).numel() * p.element_size() for p in task.trainable.parameters())
-    whole = sum(p.numel() * p.element_size() for p in task.trainable.parameters())
-    held = acc.gather(torch.tensor([held], device=acc.device)).max().item()   # the fullest rank
+        trainer = Trainer(task, bt.bench_data(steps * batch_size * n, batch_size, resolution), cfg, accelerator=acc)
+        res = trainer.fit()
+    # what this rank holds after training: the weights (its slices under FSDP2 and ZeRO-3) and the optimizer's state,
+    # read off the optimizer's own tensors (AdamW's two moments; under ZeRO also the float32 weights it steps, in slices)
+    local = lambda t: t.ds_tensor if hasattr(t, 'ds_tensor') else t.to_local() if hasattr(t, 'to_local') else t
+    held = sum(local(p).numel() * p.element_size() for p in task.trainable.parameters())
+    whole = sum(getattr(p, 'ds_numel', p.numel()) * p.element_size() for p in task.trainable.parameters())
+    opt = base_optimizer(trainer.opt)
+    state = sum(local(t).numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.ndim)
+    if deepspeed_zero_stage(acc):   # ZeRO steps float32 slices of its own (ZeRO-1/2's, ZeRO-3's attribute), unless they are the weights' storage
+        zero = trainer.opt.optimizer
+        masters = getattr(zero, 'single_partition_of_fp32_groups', None) or getattr(zero, 'fp32_partitioned_groups_flat', None) or []
+        weights = {local(p).untyped_storage().data_ptr() for p in task.trainable.parameters()}
+        state += sum(t.numel() * t.element_size() for t in masters if t.untyped_storage().data_ptr() not in weights)
+    held, state = acc.gather(torch.tensor([held, state], device=acc.device).view(1, 2)).max(0).values.tolist()   # the fullest rank
     if acc.is_main_process:
         dev = torch.cuda.get_device_name(acc.device) if acc.device.type == 'cuda' else 'cpu'
         Path(out).write_text(json.dumps({'processes': n, 'images_per_s': res['images_per_s'], 'device': dev, 'bad_steps': res['bad_steps'],
-                                         'sharding': 'fsdp2' if acc.distributed_type == 'FSDP' else 'ddp' if n > 1 else '-',
-                                         'weights_mib_per_rank': held / 2**20, 'weights_mib': whole / 2**20}))
+                                         'sharding': 'fsdp2' if acc.distributed_type == 'FSDP' else f'zero{deepspeed_zero_stage(acc)}'
+                                                     if acc.distributed_type == 'DEEPSPEED' else 'ddp' if n > 1 else '-',
+                                         'weights_mib_per_rank': held / 2**20, 'weights_mib': whole / 2**20, 'optimizer_mib_per_rank': state / 2**20}))
+
+SHARDINGS = ('ddp', 'fsdp2', 'zero2', 'zero3')   # a replica per rank, or scripts/configs/accelerate/<name>.yaml
 
 def _port() -> int:
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def launch_command(n:int, gpus:int, cores:int, args:list[str], sharding:str='ddp') -> tuple[list[str], dict]:
-    "The `accelerate launch` command and environment of an `n`-process run (`sharding` 'ddp' or 'fsdp2': the repository's accelerate config): one GPU per process, else CPU ranks splitting `cores`."
+    "The `accelerate launch` command and environment of an `n`-process run (`sharding` 'ddp', or 'fsdp2', 'zero2', 'zero3': the repository's accelerate config of that name): one GPU per process, else CPU ranks splitting `cores`."
     if gpus and n > gpus: raise ValueError(f"--num_processes {n}: this machine has {gpus} GPU(s); on GPUs each process needs its own.")
-    if sharding not in ('ddp', 'fsdp2'): raise ValueError(f"--sharding {sharding!r}: 'ddp' or 'fsdp2'.")
-    fsdp2 = Path(__file__).resolve().parent/'configs'/'accelerate'/'fsdp2.yaml'   # what users launch with
-    how = ['--config_file', str(fsdp2)] if sharding == 'fsdp2' and n > 1 else ['--multi_gpu'] if n > 1 else []
+    if sharding not in SHARDINGS: raise ValueError(f"--sharding {sharding!r}: one of {', '.join(SHARDINGS)}.")
+    config = Path(__file__).resolve().parent/'configs'/'accelerate'/f'{sharding}.yaml'   # what users launch with
+    how = ['--config_file', str(config)] if sharding != 'ddp' and n > 1 else ['--multi_gpu'] if n > 1 else []
     cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--num_processes', str(n), '--num_machines', '1', '--dynamo_backend', 'no',
            '--main_process_port', str(_port()), *how]
     env = dict(os.environ)
-    if not gpus:
+    if not gpus and sharding.startswith('zero'):   # DeepSpeed finds the CPU itself (its CPU accelerator); accelerate's CPU flag would launch DDP
+        env.pop('ACCELERATE_USE_CPU', None); env['OMP_NUM_THREADS'] = str(max(1, cores // n))
+    elif not gpus:
         env['ACCELERATE_USE_CPU'] = '1'
         cmd += ['--num_cpu_threads_per_process', str(max(1, cores // n))]
     return cmd + [str(Path(__file__).resolve()), *args], env
@@ -79,10 +93,11 @@ def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, reso
 
 def table(rows:list[dict]) -> str:
     "A Markdown table of `bench_scaling` rows."
-    head = ("| processes | sharding | device | threads per process | images/s | per process | scaling efficiency | weights per rank (MiB) |"
-            "\n|---:|---|---|---:|---:|---:|---:|---:|")
+    head = ("| processes | sharding | device | threads per process | images/s | per process | scaling efficiency | weights per rank (MiB) | optimizer state per rank (MiB) |"
+            "\n|---:|---|---|---:|---:|---:|---:|---:|---:|")
     return '\n'.join([head] + [f"| {r['processes']} | {r.get('sharding', '-')} | {r['device']} | {r['threads_per_process'] or ''} | {r['images_per_s']:.1f} | "
-                                f"{r['per_process']:.1f} | {r['efficiency']:.3f} | {r.get('weights_mib_per_rank', float('nan')):.2f} of {r.get('weights_mib', float('nan')):.2f} |"
+                                f"{r['per_process']:.1f} | {r['efficiency']:.3f} | {r.get('weights_mib_per_rank', float('nan')):.2f} of {r.get('weights_mib', float('nan')):.2f} | "
+                                f"{r.get('optimizer_mib_per_rank', float('nan')):.2f} |"
                                 for r in rows])
 
 def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: at most the GPUs of the node)
@@ -90,7 +105,7 @@ def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: a
          batch_size:int=16, # images per process and step
          resolution:int=32, # latent resolution of the benchmark UNet
          mixed_precision:str='no', # 'no' | 'fp16' | 'bf16'
-         sharding:str='ddp', # comma-separated: ddp (a replica per process), fsdp2 (scripts/configs/accelerate/fsdp2.yaml)
+         sharding:str='ddp', # comma-separated: ddp (a replica per process), fsdp2, zero2, zero3 (scripts/configs/accelerate/<name>.yaml)
          json_out:str=None, # also write the rows here
          child:bool=False, # internal: one process of a launch
          out:str=None, # internal: where the child writes its result
@@ -99,7 +114,7 @@ def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: a
     if child: return globals()['child'](out, steps, batch_size, resolution, mixed_precision)
     counts = [int(x) for x in str(num_processes).split(',') if x.strip()]
     shards = [x.strip() for x in sharding.split(',') if x.strip()]
-    if not shards or set(shards) - {'ddp', 'fsdp2'}: raise ConfigError(f"--sharding {sharding!r}: give ddp, fsdp2 or ddp,fsdp2.")
+    if not shards or set(shards) - set(SHARDINGS): raise ConfigError(f"--sharding {sharding!r}: give one or more of {', '.join(SHARDINGS)}, e.g. ddp,fsdp2,zero2,zero3.")
     rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision, shards)
     print(f"steps {steps}, batch {batch_size} per process, {resolution} px latents, mixed precision {mixed_precision}\n" + table(rows))
     if bad := [f"{r['processes']} process(es): {r['bad_steps']}" for r in rows if r.get('bad_steps')]:
