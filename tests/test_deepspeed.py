@@ -88,20 +88,22 @@ def test_zero3_samples_on_every_rank_and_exports_a_whole_folder(runs):
     close_to_ddp(unet(d/'ddp'), {k: v for k, v in pipe.unet.state_dict().items()})
 
 
-def test_zero3_resume_is_exact(runs, shapes, tmp_path):
-    "Resumed from DeepSpeed's step-2 checkpoint (read without running code first), the run ends with the uninterrupted run's weights and EMA, bit for bit."
+@pytest.mark.parametrize('stage', [2, 3])
+def test_zero_resume_is_exact(runs, shapes, tmp_path, stage):
+    """Resumed from DeepSpeed's step-2 checkpoint (read without running code first; ZeRO-2 writes the model states once,
+    ZeRO-3 once per rank), the run ends with the uninterrupted run's weights and EMA, bit for bit."""
     d, _ = runs
     res = tmp_path/'res'
     res.mkdir()
     for name in ('checkpoints', 'config.yaml', 'initial_model', 'run_info.json'):
-        (shutil.copytree if (d/'zero3'/name).is_dir() else shutil.copy)(d/'zero3'/name, res/name)
+        (shutil.copytree if (d/f'zero{stage}'/name).is_dir() else shutil.copy)(d/f'zero{stage}'/name, res/name)
     shutil.rmtree(res/'checkpoints'/'step_00000004'); (res/'checkpoints'/'latest').write_text('step_00000002')
-    p = launch_zero(3, 'scripts/train_ldm.py', '--output_dir', res, '--dataset', shapes, *ARGS, probe=tmp_path/'probe')
+    p = launch_zero(stage, 'scripts/train_ldm.py', '--output_dir', res, '--dataset', shapes, *ARGS, probe=tmp_path/'probe')
     assert 'resuming from' in p.stdout + p.stderr
     assert rank_records(tmp_path/'probe', 2)[0]['start_step'] == 2
-    assert max_diff(unet(d/'zero3'), unet(res)) == 0
+    assert max_diff(unet(d/f'zero{stage}'), unet(res)) == 0
     from safetensors.torch import load_file
-    assert max_diff(*[load_file(str(x/'checkpoints'/'step_00000004'/'ema.safetensors')) for x in (d/'zero3', res)]) == 0
+    assert max_diff(*[load_file(str(x/'checkpoints'/'step_00000004'/'ema.safetensors')) for x in (d/f'zero{stage}', res)]) == 0
 
 
 def test_deepspeed_checkpoint_elsewhere_is_refused_clearly(runs, shapes, tmp_path):
@@ -220,3 +222,15 @@ def test_grpo_under_zero3_matches_ddp(tmp_path):
     files = lambda d: sorted((tmp_path/d/'model').rglob('*.safetensors'))
     a, b = ({k: v for f in files(d) for k, v in load_file(str(f)).items()} for d in ('ddp', 'zero3'))
     assert max_diff(a, b) < 1e-5, max_diff(a, b)
+
+
+@pytest.mark.parametrize('stage', [2, 3])
+def test_export_checkpoint_puts_zero_partitions_together(runs, tmp_path, stage):
+    """export_checkpoint.py joins a ZeRO checkpoint's partitions (DeepSpeed's zero_to_fp32, in one process, after the
+    checkpoint is read without running code) into the folder DDP's checkpoint gives, to `close_to_ddp`."""
+    d, _ = runs
+    for r in ('ddp', f'zero{stage}'):
+        run([sys.executable, 'scripts/export_checkpoint.py', '--run', str(d/r), '--step', '4', '--ema', 'false', '--output_dir', str(tmp_path/r)])
+    raw = [unet(tmp_path/r) for r in ('ddp', f'zero{stage}')]
+    close_to_ddp(*raw)
+    assert max_diff(raw[1], unet(d/f'zero{stage}')) > 1e-4   # raw weights, not the EMA the run saved

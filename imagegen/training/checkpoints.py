@@ -147,18 +147,19 @@ def check_sharded_folder(folder:str|Path):
             with open(f, 'rb') as fh: fh.seek(info.offset); data = fh.read(info.length)
             torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)
 
-DS_STATES = 'zero_pp_rank_*_model_states.pt'   # one per rank in a DeepSpeed checkpoint's folder, beside *_optim_states.pt
-# the only classes DeepSpeed's ZeRO checkpoints pickle beside tensors and plain containers (its stage and its loss scaler)
+DS_STATES = 'zero_pp_rank_*_optim_states.pt'   # one per rank in a DeepSpeed checkpoint's folder (every ZeRO stage), beside its model states
+# the only classes DeepSpeed's ZeRO checkpoints pickle beside tensors and plain containers (its stage, its loss scaler,
+# and ZeRO-1/2's (numel, start) record of where each parameter lies in the flat partition)
 DS_SAFE_GLOBALS = ('deepspeed.runtime.zero.config.ZeroStageEnum', 'deepspeed.runtime.fp16.loss_scaler.LossScaler',
-                   'deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler')
+                   'deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler', 'deepspeed.utils.tensor_fragment.fragment_address')
 
 def deepspeed_ranks(folder:str|Path) -> int:
-    "How many ranks wrote DeepSpeed checkpoint folder `folder` (its per-rank model-state files)."
+    "How many ranks wrote DeepSpeed checkpoint folder `folder` (its per-rank optimizer-state files)."
     return len(list(Path(folder).glob(DS_STATES)))
 
 def check_deepspeed_folder(folder:str|Path):
-    """Read a DeepSpeed checkpoint folder (`accelerate.save_state` under DeepSpeed: each rank's `*_model_states.pt` and
-    `*_optim_states.pt`) without running code. DeepSpeed loads these with `torch.load(weights_only=False)`, so code
+    """Read a DeepSpeed checkpoint folder (`accelerate.save_state` under DeepSpeed: each rank's `*_optim_states.pt`, and
+    the model states: one `mp_rank_00_model_states.pt` under ZeRO-1/2, one per rank under ZeRO-3) without running code. DeepSpeed loads these with `torch.load(weights_only=False)`, so code
     planted in one would run; here each file's pickle is first scanned for the classes it names (nothing is built),
     only DeepSpeed's own stage and loss-scaler classes may appear beside tensors, and then it is read with
     `weights_only=True` allowing just those, which also finds a truncated file. Every rank's optimizer state must be there."""
@@ -181,9 +182,12 @@ def check_deepspeed_folder(folder:str|Path):
             raise CheckpointError(f"{f} cannot be read safely ({type(e).__name__}: {str(e)[:200]}): damaged, truncated, or not written by the training loop.") from None
     if len(world) != 1 or not isinstance(n := next(iter(world)), int):
         raise CheckpointError(f"{folder}: its model states name no single number of ranks ({sorted(map(str, world))}): damaged, or not written by DeepSpeed.")
-    for kind in ('model', 'optim'):
-        ranks = sorted(int(re.search(r'zero_pp_rank_(\d+)_', f.name).group(1)) for f in files if f.name.endswith(f'_{kind}_states.pt'))
-        if ranks != list(range(n)):
+    rank = lambda f: int(m.group(1)) if (m := re.match(r'zero_pp_rank_(\d+)_', f.name)) else None
+    optim = sorted(rank(f) for f in files if f.name.endswith('_optim_states.pt') and rank(f) is not None)
+    model = sorted(rank(f) for f in files if f.name.endswith('_model_states.pt') and rank(f) is not None)
+    shared = (folder/'mp_rank_00_model_states.pt').is_file()   # ZeRO-1/2: the model states once
+    for kind, ranks in (('optimizer', optim), ('model', None if shared and not model else model)):
+        if ranks is not None and ranks != list(range(n)):
             raise CheckpointError(f"{folder} was written by {n} ranks but holds the {kind} states of ranks {ranks}: a rank's file is missing (a run stopped while saving).")
 
 def checkpoint_kind(ckpt:str|Path) -> str:
@@ -493,6 +497,15 @@ def _sharded_weights(folder:Path, module) -> dict:
         dcp.load(own, checkpoint_id=str(folder), no_dist=True)
     return {k.removeprefix('model.'): v for k, v in own.items()}
 
+def _deepspeed_weights(folder:Path) -> dict:
+    """The whole float32 weights of DeepSpeed checkpoint folder `folder` (accelerate's `pytorch_model/`: every rank's ZeRO
+    partitions), put together in this one process by DeepSpeed's own `zero_to_fp32`, after `check_deepspeed_folder`
+    (DeepSpeed reads them with `weights_only=False`)."""
+    check_deepspeed_folder(folder)
+    try: from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError: raise CheckpointError(f"{folder} is a DeepSpeed checkpoint: exporting it needs DeepSpeed (pip install --no-build-isolation deepspeed).") from None
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name))
+
 def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
     "Copy checkpoint `ckpt`'s trained weights (its EMA weights with `ema`) into `module`, which must have the trained module's architecture."
     import torch
@@ -506,6 +519,7 @@ def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
         return module
     f, sharded = ckpt/'model.safetensors', ckpt/'pytorch_model_fsdp_0'
     if not f.exists() and (sharded/'.metadata').is_file(): sd, own = _sharded_weights(sharded, module), module.state_dict()
+    elif not f.exists() and any((ckpt/'pytorch_model').glob(DS_STATES)): sd, own = _deepspeed_weights(ckpt/'pytorch_model'), module.state_dict()
     elif not f.exists(): raise FileNotFoundError(f"{f} not found: {ckpt} is not a checkpoint written by the training loop.")
     else: sd, own = load_file(str(f)), module.state_dict()
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
