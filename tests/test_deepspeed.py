@@ -13,13 +13,14 @@ pytest.importorskip('deepspeed')
 CONFIGS = ROOT/'scripts'/'configs'/'accelerate'
 
 
-def launch_zero(stage:int, script, *args, probe=None, timeout=600, launcher=(), check=True):
+def launch_zero(stage:int, script, *args, probe=None, timeout=600, launcher=(), check=True, env=None):
     "`launch` with the repository's ZeRO-`stage` accelerate config on 2 CPU ranks (no mixed precision unless `launcher` says)."
     target = [str(ROOT/'tests'/'dist_probe.py'), str(probe)] if probe else []
     cmd = [str(Path(sys.executable).parent/'accelerate'), 'launch', '--config_file', str(CONFIGS/f'zero{stage}.yaml'), '--num_processes', '2',
            '--mixed_precision', 'no', *map(str, launcher), '--main_process_port', str(free_port()), *target,
            str(ROOT/script if not Path(script).is_absolute() else script), *map(str, args)]
-    return run(cmd, env={'OMP_NUM_THREADS': '1'}, timeout=timeout, check=check)
+    # DeepSpeed finds the CPU itself; accelerate's ACCELERATE_USE_CPU=1 (which `make test` exports without GPUs) would launch DDP
+    return run(cmd, env={'OMP_NUM_THREADS': '1', 'ACCELERATE_USE_CPU': '0', **(env or {})}, timeout=timeout, check=check)
 
 
 def close_to_ddp(a:dict, b:dict, lr:float=1e-3):
@@ -115,7 +116,7 @@ def test_deepspeed_checkpoint_elsewhere_is_refused_clearly(runs, shapes, tmp_pat
     cmd = [sys.executable, 'scripts/train_ldm.py', '--output_dir', str(res), '--dataset', str(shapes), *map(str, ARGS), '--max_steps', '6']
     p = run(cmd, check=False)
     assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr[-2000:]
-    assert 'under DeepSpeed ZeRO by 2 ranks' in p.stderr and 'export_checkpoint.py' in p.stderr
+    assert 'under DeepSpeed ZeRO-3 by 2 ranks' in p.stderr and 'export_checkpoint.py' in p.stderr
     import pickle
     class Payload:
         def __reduce__(self): return (exec, ("open('PWNED', 'w').write('x')",))
@@ -131,18 +132,18 @@ def test_deepspeed_checkpoint_elsewhere_is_refused_clearly(runs, shapes, tmp_pat
 
 
 NAN_RUN = '''
-"The regression task of tests/test_training.py with a NaN gradient from its 4th batch on, 2 ranks under DeepSpeed ZeRO-2; argv: OUT."
+"The regression task of tests/test_training.py with NaN gradients from its 4th batch on, 2 ranks under DeepSpeed; argv: OUT TESTS_DIR."
 import json, sys, warnings
 sys.path.insert(0, sys.argv[2])
 import torch
 from test_training import Regression, cfg, data
 from imagegen.training.loop import NonFiniteLossError, train
-class NaNGrad(Regression):   # tests/test_reliability.py's, on the module inside DeepSpeed's engine
+class NaNGrad(Regression):   # a finite loss with NaN gradients (d sqrt(x)/dx at 0, times 0) for every weight, from batch `at` on
     def __init__(self, at): super().__init__(); self.at, self.calls = at, 0
     def loss(self, model, batch):
         out = super().loss(model, batch)
         self.calls += 1
-        if self.calls > self.at: out['loss'] = out['loss'] + 0 * torch.sqrt(0 * model.module[0].weight.sum())
+        if self.calls > self.at: out['loss'] = out['loss'] + 0 * torch.sqrt(0 * out['loss'])
         return out
 task = NaNGrad(at=3)
 try: train(task, data(), cfg(sys.argv[1], max_grad_norm=None, nan_max_consecutive=2, checkpoint_every=1)); err = None
@@ -153,23 +154,27 @@ json.dump({'error': err, 'finite': all(bool(torch.isfinite(p).all()) for p in ta
 '''
 
 
-def test_zero2_nan_gradients_never_reach_the_weights(tmp_path):
+@pytest.mark.parametrize('stage', [2, 3])
+def test_zero_nan_gradients_never_reach_the_weights(tmp_path, stage):
     "DeepSpeed skips a step whose gradient norm is not finite; the loop counts it, stops after nan_max_consecutive, and the weights stay finite on both ranks."
     (tmp_path/'nan.py').write_text(NAN_RUN)
     (tmp_path/'run').mkdir()
-    launch_zero(2, tmp_path/'nan.py', tmp_path/'run', ROOT/'tests')
+    launch_zero(stage, tmp_path/'nan.py', tmp_path/'run', ROOT/'tests')
     for r in (0, 1):
         got = json.loads((tmp_path/'run'/f'nan_rank{r}.json').read_text())
         assert got['finite'] and 'nan_max_consecutive=2' in (got['error'] or ''), got
 
 
 def test_zero3_init_flag_and_a_clipping_conflict_are_refused(shapes, tmp_path):
-    "Two settings the loop cannot honour stop every rank with one line naming the flag."
+    """Settings the loop cannot honour stop every rank with one line naming the flag: zero3_init_flag, a clipping value
+    other than --max_grad_norm, and ACCELERATE_USE_CPU=1 (with which accelerate drops DeepSpeed and would train DDP)."""
     p = launch_zero(3, 'scripts/train_ldm.py', '--output_dir', tmp_path/'a', '--dataset', shapes, *ARGS, launcher=['--zero3_init_flag', 'true'], check=False)
     assert p.returncode != 0 and '--zero3_init_flag false' in p.stderr, p.stderr[-2000:]
     p = launch_zero(2, 'scripts/train_ldm.py', '--output_dir', tmp_path/'b', '--dataset', shapes, *ARGS, '--max_grad_norm', 0.5,
                     launcher=['--gradient_clipping', '1.0'], check=False)
     assert p.returncode != 0 and 'max_grad_norm=0.5' in p.stderr, p.stderr[-2000:]
+    p = launch_zero(2, 'scripts/train_ldm.py', '--output_dir', tmp_path/'c', '--dataset', shapes, *ARGS, env={'ACCELERATE_USE_CPU': '1'}, check=False)
+    assert p.returncode != 0 and 'ACCELERATE_USE_CPU=1 turns DeepSpeed off' in p.stderr, p.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -234,3 +239,33 @@ def test_export_checkpoint_puts_zero_partitions_together(runs, tmp_path, stage):
     raw = [unet(tmp_path/r) for r in ('ddp', f'zero{stage}')]
     close_to_ddp(*raw)
     assert max_diff(raw[1], unet(d/f'zero{stage}')) > 1e-4   # raw weights, not the EMA the run saved
+
+
+FROZEN_RUN = """
+"Under ZeRO-3, after the loop's accelerator exists: a text model loaded with from_pretrained (as the frozen encoders are) is whole. argv: SAVED OUT."
+import json, sys, torch
+from transformers import CLIPTextModel
+from transformers.integrations import is_deepspeed_zero3_enabled
+from imagegen.training.loop import TrainConfig, make_accelerator
+acc = make_accelerator(TrainConfig(tracker='none'))
+m = CLIPTextModel.from_pretrained(sys.argv[1])
+ids = torch.tensor([[1, 2, 3]])
+json.dump({'zero3_seen_by_transformers': is_deepspeed_zero3_enabled(), 'numel': [p.numel() for p in m.parameters()][:3],
+           'out': m(ids).last_hidden_state.sum().item()}, open(f"{sys.argv[2]}/frozen_rank{acc.process_index}.json", 'w'))
+"""
+
+
+def test_zero3_leaves_frozen_pretrained_models_whole(tmp_path):
+    """accelerate registers its ZeRO-3 config with transformers even with zero3_init_flag off, which would make every
+    later `from_pretrained` (the frozen text encoders, CLIP for metrics) build its model partitioned, with empty weights
+    outside DeepSpeed's engine; the loop undoes that registration, so they load whole and give the one-process output."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+    torch.manual_seed(0)
+    m = CLIPTextModel(CLIPTextConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    m.save_pretrained(tmp_path/'te')
+    want = m(torch.tensor([[1, 2, 3]])).last_hidden_state.sum().item()
+    (tmp_path/'frozen.py').write_text(FROZEN_RUN)
+    launch_zero(3, tmp_path/'frozen.py', tmp_path/'te', tmp_path)
+    for r in (0, 1):
+        got = json.loads((tmp_path/f'frozen_rank{r}.json').read_text())
+        assert not got['zero3_seen_by_transformers'] and min(got['numel']) > 0 and got['out'] == pytest.approx(want, rel=1e-5), got

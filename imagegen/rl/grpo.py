@@ -95,11 +95,11 @@ class RunPolicy:
         self.sharded = model if shards_weights(accelerator) else None
 
     def full_policy(self):
-        "A context in which the policy's parts and samplers can be called outside its forward: under FSDP2 every unit is unsharded on every rank (the rollouts call the model's parts and sampling loops, not the sharded root), resharded after; otherwise nothing."
+        "A context in which the policy's parts and samplers can be called outside its forward: under FSDP2 every unit is unsharded on every rank (the rollouts call the model's parts and sampling loops, not the sharded root), resharded after; under ZeRO-3 every parameter is gathered; otherwise nothing."
         return unsharded(self.sharded) if self.sharded is not None else contextlib.nullcontext()
 
     def batches(self, accelerator):
-        "The loop's batches: one rollout per pass (its seed drawn from the run's random state and the rank; whole weights under FSDP2), yielded `inner_steps` times."
+        "The loop's batches: one rollout per pass (its seed drawn from the run's random state and the rank; whole weights under FSDP2 and ZeRO-3), yielded `inner_steps` times."
         seed = derived_seed(int(torch.randint(2**31 - 1, (1,)).item()), accelerator.process_index)
         with self.full_policy(): batch = self.rollout(seed)
         for _ in range(self.inner_steps): yield batch

@@ -13,7 +13,7 @@ from ..config import UserError, free_space, size_text
 __all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'DS_STATES', 'DS_SAFE_GLOBALS', 'LOCK_FILE', 'EXIT_PREEMPTED',
            'STOP_SIGNALS', 'write_atomic', 'list_checkpoints', 'latest_checkpoint', 'save_checkpoint',
            'clean_partial_checkpoints', 'CheckpointError', 'DiskFullError', 'disk_full', 'free_gib',
-           'check_sharded_folder', 'deepspeed_ranks', 'check_deepspeed_folder', 'checkpoint_kind', 'check_checkpoint',
+           'check_sharded_folder', 'deepspeed_layout', 'check_deepspeed_folder', 'checkpoint_kind', 'check_checkpoint',
            'usable_checkpoint', 'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'is_zero3', 'ema_view',
            'full_tensor', 'shard_like', 'refresh_persistent', 'resharded', 'unsharded', 'gathered', 'RunLocked',
            'holder_gone', 'acquire_run_lock', 'check_output_dir', 'release_run_lock', 'Preempted', 'find_checkpoint',
@@ -153,9 +153,14 @@ DS_STATES = 'zero_pp_rank_*_optim_states.pt'   # one per rank in a DeepSpeed che
 DS_SAFE_GLOBALS = ('deepspeed.runtime.zero.config.ZeroStageEnum', 'deepspeed.runtime.fp16.loss_scaler.LossScaler',
                    'deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler', 'deepspeed.utils.tensor_fragment.fragment_address')
 
-def deepspeed_ranks(folder:str|Path) -> int:
-    "How many ranks wrote DeepSpeed checkpoint folder `folder` (its per-rank optimizer-state files)."
-    return len(list(Path(folder).glob(DS_STATES)))
+def deepspeed_layout(folder:str|Path) -> dict:
+    """How DeepSpeed checkpoint folder `folder` was written: `ranks` (its data-parallel world size) and ZeRO `stage`, from
+    the first model-state file (read with `weights_only=True`; `check_deepspeed_folder` has read every file before)."""
+    import torch
+    f = next(iter(sorted(Path(folder).glob('*_model_states.pt'))), None)
+    if f is None: raise CheckpointError(f"{folder} holds no DeepSpeed model states.")
+    st = torch.load(str(f), map_location='cpu', weights_only=True, mmap=True)
+    return {'ranks': int(st['dp_world_size']), 'stage': int((st.get('ds_config') or {}).get('zero_optimization', {}).get('stage', 0))}
 
 def check_deepspeed_folder(folder:str|Path):
     """Read a DeepSpeed checkpoint folder (`accelerate.save_state` under DeepSpeed: each rank's `*_optim_states.pt`, and
@@ -166,6 +171,8 @@ def check_deepspeed_folder(folder:str|Path):
     import importlib, torch
     folder = Path(folder)
     files = sorted(folder.glob('*.pt'))
+    if nested := sorted(set(folder.rglob('*.pt')) - set(files)):
+        raise CheckpointError(f"{nested[0]} lies below {folder}, where DeepSpeed writes no folder: not written by the training loop.")
     allowed, world = [], set()
     for name in DS_SAFE_GLOBALS:
         mod, _, cls = name.rpartition('.')
@@ -194,7 +201,7 @@ def checkpoint_kind(ckpt:str|Path) -> str:
     "How checkpoint `ckpt` holds its model: 'fsdp' (FSDP2's slices), 'deepspeed' (ZeRO partitions) or 'ddp' (whole, from DDP or one process)."
     ckpt = Path(ckpt)
     if (ckpt/'pytorch_model_fsdp_0').is_dir(): return 'fsdp'
-    return 'deepspeed' if any(ckpt.glob(f'*/{DS_STATES}')) else 'ddp'
+    return 'deepspeed' if (ckpt/'pytorch_model').is_dir() and any((ckpt/'pytorch_model').glob('*.pt')) else 'ddp'
 
 def check_checkpoint(ckpt:str|Path) -> dict:
     "Read every file of checkpoint `ckpt` without running code; returns its trainer state, or raises `CheckpointError` naming the bad file."
@@ -207,11 +214,11 @@ def check_checkpoint(ckpt:str|Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{st} is damaged ({e}).") from None
     if not isinstance(state, dict) or not isinstance(state.get('step'), int): raise CheckpointError(f"{st} is damaged (no step).")
     if not any(ckpt.glob('model*.safetensors')) and not any(ckpt.glob('pytorch_model*.bin')) and not any(ckpt.glob('pytorch_model_fsdp_*/.metadata')) \
-       and not any(ckpt.glob(f'*/{DS_STATES}')):
+       and not any((ckpt/'pytorch_model').glob('*.pt')):
         raise CheckpointError(f"{ckpt} has no model weights (model.safetensors; pytorch_model_fsdp_0/ under FSDP2; pytorch_model/ under "
                               "DeepSpeed): an incomplete or emptied checkpoint.")
     for d in sorted(x for x in ckpt.iterdir() if x.is_dir()):   # FSDP2's sharded model and optimizer states, DeepSpeed's partitions
-        if any(d.glob(DS_STATES)):
+        if d.name == 'pytorch_model' or any(d.rglob('*.pt')):   # every pickle below the checkpoint, wherever it lies, is read first
             check_deepspeed_folder(d); continue
         if not (d/'.metadata').is_file():
             if any(d.glob('*.distcp')): raise CheckpointError(f"{d} has slices but no .metadata index: an incomplete checkpoint.")

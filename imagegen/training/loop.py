@@ -25,7 +25,7 @@ from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX,
                                           CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
                                           ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, resharded, shard_like, size_text, unsharded,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
-                                          write_atomic, checkpoint_kind, deepspeed_ranks, ema_view, is_zero3, refresh_persistent)
+                                          write_atomic, checkpoint_kind, deepspeed_layout, ema_view, is_zero3, refresh_persistent)
 from .tracking import check_tracker, flat_params, run_info, scalars
 
 # %% auto #0
@@ -220,15 +220,25 @@ def deepspeed_setup(acc:Accelerator, cfg:TrainConfig) -> dict|None:
     or `zero3.yaml`, or `--use_deepspeed --zero_stage N`) from the loop's own settings, and return it (None without DeepSpeed):
     - `train_micro_batch_size_per_gpu`: `batch_size` (accelerate reads it off a prepared loader, which a task's own stream is not);
     - `gradient_clipping`: `max_grad_norm` (DeepSpeed clips inside its step; a different value in the file is refused);
-    - bf16 (`--mixed_precision bf16`) becomes DeepSpeed's `torch_autocast`: the weights stay float32 and the forward
-      autocasts to bfloat16, as under DDP and FSDP2 (DeepSpeed's own bf16 mode turns the model's weights into bfloat16,
-      which the tasks' float32 inputs do not meet); with float32 weights DeepSpeed skips a step whose gradient norm is
-      not finite, and the loop counts it as the NaN guard does elsewhere;
+    - bf16 (`--mixed_precision bf16`) becomes DeepSpeed's `torch_autocast`: the weights stay float32 and the trained
+      model's forward autocasts to bfloat16 (DeepSpeed's own bf16 mode turns the weights into bfloat16, which the tasks'
+      float32 inputs do not meet). Unlike DDP and FSDP2, DeepSpeed reduces the gradients of linear and convolution
+      layers in bfloat16, and the frozen parts run in float32 (accelerate's autocast is off under DeepSpeed). With
+      float32 weights DeepSpeed skips a step whose gradient norm is not finite, and the loop counts it as the NaN guard
+      does elsewhere;
+    - `gradient_accumulation_steps`: `grad_accum` (a different value in the file is refused);
     - `zero3_init_flag` is refused: it builds every transformers model partitioned, the frozen text encoders that the
       tasks call outside DeepSpeed's engine included. The trained model is partitioned when it is prepared; the frozen
       parts stay whole (they are never given to DeepSpeed), as in diffusers' scripts.
-    On CPU ranks (tests) accelerate 1.15 starts DeepSpeed's gloo group but counts one process; the count is set right here."""
-    if acc.distributed_type != DistributedType.DEEPSPEED: return None
+    On CPU ranks (tests) accelerate 1.15 starts DeepSpeed's gloo group but counts one process; the count is set right
+    here. `ACCELERATE_USE_CPU=1` makes accelerate drop DeepSpeed altogether (a DDP run instead): refused, not followed.
+    accelerate also registers its config with transformers, which makes every later `from_pretrained` build its model
+    partitioned (ZeRO-3) although `zero3_init_flag` is off; that registration is undone."""
+    if acc.distributed_type != DistributedType.DEEPSPEED:
+        if os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false').lower() == 'true' and acc.distributed_type != DistributedType.NO:
+            raise ConfigError(f"the launcher asked for DeepSpeed but accelerate set up {acc.distributed_type.value}: ACCELERATE_USE_CPU=1 "
+                              "turns DeepSpeed off in accelerate. Unset it (DeepSpeed finds a machine without GPUs by itself).")
+        return None
     import torch.distributed as dist
     if dist.is_initialized() and acc.num_processes != dist.get_world_size():
         fix = dict(num_processes=dist.get_world_size(), process_index=dist.get_rank(), backend=dist.get_backend(),
@@ -238,8 +248,15 @@ def deepspeed_setup(acc:Accelerator, cfg:TrainConfig) -> dict|None:
     if plugin.zero3_init_flag:
         raise ConfigError("DeepSpeed's zero3_init_flag builds every transformers model partitioned, the frozen text encoders the loop "
                           "calls outside DeepSpeed's engine included: launch with --zero3_init_flag false (as scripts/configs/accelerate/zero3.yaml does).")
+    # accelerate registers its DeepSpeed config with transformers whatever zero3_init_flag says, and then every
+    # `from_pretrained` after this point (the frozen text encoders, CLIP for metrics) would build its model partitioned
+    from transformers.integrations import unset_hf_deepspeed_config
+    unset_hf_deepspeed_config(); plugin.dschf = None
     ds = plugin.deepspeed_config
     if ds.get('train_micro_batch_size_per_gpu', 'auto') == 'auto': ds['train_micro_batch_size_per_gpu'] = cfg.batch_size
+    if ds.get('gradient_accumulation_steps', 'auto') not in ('auto', None) and int(ds['gradient_accumulation_steps']) != cfg.grad_accum:
+        raise ConfigError(f"the DeepSpeed config accumulates {ds['gradient_accumulation_steps']} steps but grad_accum={cfg.grad_accum}: "
+                          "set one of them (gradient_accumulation_steps: auto takes grad_accum).")
     clip = float(cfg.max_grad_norm or 0.0)
     if ds.get('gradient_clipping', 'auto') in ('auto', None): ds['gradient_clipping'] = clip
     elif float(ds['gradient_clipping']) != clip:
@@ -247,12 +264,6 @@ def deepspeed_setup(acc:Accelerator, cfg:TrainConfig) -> dict|None:
                           "set one of them (gradient_clipping: auto takes max_grad_norm).")
     if ds.get('fp16', {}).get('enabled') is True:
         raise ConfigError("fp16 under DeepSpeed: train in bf16 (--mixed_precision bf16) or float32; the loop's models keep float32 weights for bf16 autocast.")
-    if int(plugin.zero_stage) == 3:
-        # diffusers' EMAModel wraps its steps in `deepspeed.zero.GatheredParameters` whenever ZeRO-3 is on, but imports
-        # deepspeed only if ZeRO-3 was on when diffusers itself was imported (before any launcher state): supply the name.
-        # The loop's EMA steps on each rank's slices (`ema_view`), where that context does nothing.
-        import deepspeed, diffusers.training_utils as _tu
-        if not hasattr(_tu, 'deepspeed'): _tu.deepspeed = deepspeed
     if ds.get('bf16', {}).get('enabled') is True:
         ds['bf16'] = {'enabled': False}
         ds.setdefault('torch_autocast', {'enabled': True, 'dtype': 'bfloat16'})
@@ -381,10 +392,10 @@ def _setup(self:Trainer, dataloader):
         params = self._ema_params()
         # under FSDP2 the EMA is sharded like the weights (each rank averages its slices); torch has no DTensor rule for
         # diffusers' foreach copy, so a sharded EMA steps and swaps tensor by tensor. Under ZeRO-3 it averages each
-        # rank's flat slices (`ema_view`); under DeepSpeed's bf16 the model's own weights are bfloat16, the EMA float32.
+        # rank's flat slices (`ema_view`), each where DeepSpeed keeps it (in host memory with its parameter offload).
         self.ema = EMAModel(params, decay=cfg.ema_decay, update_after_step=cfg.ema_update_after_step,
                             use_ema_warmup=cfg.ema_warmup, power=cfg.ema_power, foreach=cfg.foreach_ema and not any(map(is_sharded, params)))
-        self.ema.to(acc.device, dtype=torch.float32)
+        self.ema.to(dtype=torch.float32)   # the copies lie where their weights do
     if hasattr(self.task, 'setup'): self.task.setup(acc, self.model)
 
 @patch
@@ -464,14 +475,14 @@ def _resume(self:Trainer) -> Path|None:
     if ckpt is None: return None
     written = checkpoint_kind(ckpt)
     now = {DistributedType.FSDP: 'fsdp', DistributedType.DEEPSPEED: 'deepspeed'}.get(self.acc.distributed_type, 'ddp')
-    ds_ranks = deepspeed_ranks(ckpt/'pytorch_model') if written == 'deepspeed' else 0
-    if written != now or ds_ranks not in (0, self.acc.num_processes):
+    ds = deepspeed_layout(ckpt/'pytorch_model') if written == 'deepspeed' else None
+    if written != now or (ds and (ds['ranks'], ds['stage']) != (self.acc.num_processes, deepspeed_zero_stage(self.acc))):
         # torch's distributed checkpoint reshards to any number of ranks, but not to or from DDP; DeepSpeed's ZeRO
-        # partitions load only on as many ranks as wrote them
+        # partitions load only on as many ranks as wrote them, under the same stage
         how = {'fsdp': "under FSDP2 (each rank's slices): resume it under FSDP2, on any number of ranks (accelerate launch "
                        "--config_file scripts/configs/accelerate/fsdp2.yaml)",
-               'deepspeed': f"under DeepSpeed ZeRO by {ds_ranks} ranks: resume it under DeepSpeed on {ds_ranks} ranks (accelerate launch "
-                            f"--config_file scripts/configs/accelerate/zero2.yaml or zero3.yaml --num_processes {ds_ranks})",
+               'deepspeed': f"under DeepSpeed ZeRO-{ds and ds['stage']} by {ds and ds['ranks']} ranks: resume it the same way (accelerate launch "
+                            f"--config_file scripts/configs/accelerate/zero{ds and ds['stage']}.yaml --num_processes {ds and ds['ranks']})",
                'ddp': "without sharding (DDP or one process): resume it that way, on any number of ranks"}[written]
         raise CheckpointError(f"{ckpt} was written {how}; or export its weights with scripts/export_checkpoint.py and start "
                               "a new run from them (--pretrained_model_name_or_path) in a new output_dir.")
@@ -489,7 +500,8 @@ def _resume(self:Trainer) -> Path|None:
             keep = {id(p) for p in ema_parameters(model)}
             shadow = [s for (_, p), s in zip(ema_targets(model, shadow, ckpt), shadow) if id(p) in keep]
             shadow = [shard_like(s, p) for s, p in zip(shadow, ema_parameters(model))]   # FSDP2, ZeRO-3: this rank's slices
-            self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow}); self.ema.to(self.acc.device)
+            self.ema.load_state_dict({**self.ema.state_dict(), **(st.get('ema') or {}), 'shadow_params': shadow})
+            self.ema.shadow_params = [s.to(v.device, torch.float32) for s, v in zip(self.ema.shadow_params, self._ema_params())]   # where their weights lie
     self.step, self.epoch, self.bad_total, self.bad_samples = st['step'], st['epoch'], st['bad_steps_total'], st.get('bad_samples', 0)
     self.epoch_sums, self.epoch_metrics = st['epoch_sums'], st['epoch_metrics']
     self.run_name = self.cfg.run_name or st['run_name']
