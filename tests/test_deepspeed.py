@@ -189,6 +189,8 @@ def test_zero2_bf16_autocasts_with_float32_weights(runs, shapes, tmp_path):
         assert mp[r]['param_dtypes'] == ['torch.float32']
         assert mp[r]['losses'] == pytest.approx(rec['ddp'][r]['losses'], rel=1e-2) and mp[r]['losses'] != rec['ddp'][r]['losses']
     assert {v.dtype for v in unet(tmp_path/'run').values()} == {torch.float32}
+    launcher = json.loads((tmp_path/'run'/'run_info.json').read_text())['config']['launcher']
+    assert (launcher['distributed_type'], launcher['mixed_precision']) == ('DEEPSPEED', 'bf16'), launcher   # recorded as run
 
 
 @pytest.mark.slow

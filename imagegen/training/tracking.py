@@ -40,8 +40,12 @@ def launcher_info(accelerator:Accelerator|None) -> dict:
     if accelerator is None: return {'distributed_type': 'NO', 'num_processes': 1, 'mixed_precision': 'no', 'device': 'cpu', 'dynamo_backend': 'NO'}
     st = accelerator.state
     dynamo = getattr(getattr(st, 'dynamo_plugin', None), 'backend', None)
+    mp = accelerator.mixed_precision
+    ds = getattr(st, 'deepspeed_plugin', None) if str(st.distributed_type).endswith('DEEPSPEED') else None
+    if ds is not None and (ds.deepspeed_config.get('torch_autocast') or {}).get('enabled'):
+        mp = str(ds.deepspeed_config['torch_autocast'].get('dtype', 'bf16')).replace('bfloat16', 'bf16')   # the loop's bf16 under DeepSpeed
     return {'distributed_type': str(st.distributed_type).split('.')[-1], 'num_processes': accelerator.num_processes,
-            'mixed_precision': accelerator.mixed_precision, 'device': str(accelerator.device),
+            'mixed_precision': mp, 'device': str(accelerator.device),
             'dynamo_backend': str(getattr(dynamo, 'value', dynamo or 'NO'))}   # 'NO': no torch.compile
 
 def run_info(cfg:Config|dict, accelerator:Accelerator|None=None, sections:dict|None=None) -> dict:
