@@ -14,6 +14,7 @@ def _bench_training():
 def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str):
     "One process of a launch: train the benchmark UNet with the shared loop; rank 0 writes the loop's images/s (every rank's images) to `out`."
     import torch
+    from imagegen.training.checkpoints import local_part
     from imagegen.training.loop import TrainConfig, Trainer, base_optimizer, deepspeed_zero_stage, make_accelerator
     bt = _bench_training()
     with tempfile.TemporaryDirectory() as d:
@@ -28,15 +29,14 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
         res = trainer.fit()
     # what this rank holds after training: the weights (its slices under FSDP2 and ZeRO-3) and the optimizer's state,
     # read off the optimizer's own tensors (AdamW's two moments; under ZeRO also the float32 weights it steps, in slices)
-    local = lambda t: t.ds_tensor if hasattr(t, 'ds_tensor') else t.to_local() if hasattr(t, 'to_local') else t
-    held = sum(local(p).numel() * p.element_size() for p in task.trainable.parameters())
+    held = sum(local_part(p).numel() * p.element_size() for p in task.trainable.parameters())
     whole = sum(getattr(p, 'ds_numel', p.numel()) * p.element_size() for p in task.trainable.parameters())
     opt = base_optimizer(trainer.opt)
-    state = sum(local(t).numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.ndim)
+    state = sum(local_part(t).numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.ndim)
     if deepspeed_zero_stage(acc):   # ZeRO steps float32 slices of its own (ZeRO-1/2's, ZeRO-3's attribute), unless they are the weights' storage
         zero = trainer.opt.optimizer
         masters = getattr(zero, 'single_partition_of_fp32_groups', None) or getattr(zero, 'fp32_partitioned_groups_flat', None) or []
-        weights = {local(p).untyped_storage().data_ptr() for p in task.trainable.parameters()}
+        weights = {local_part(p).untyped_storage().data_ptr() for p in task.trainable.parameters()}
         state += sum(t.numel() * t.element_size() for t in masters if t.untyped_storage().data_ptr() not in weights)
     held, state = acc.gather(torch.tensor([held, state], device=acc.device).view(1, 2)).max(0).values.tolist()   # the fullest rank
     if acc.is_main_process:

@@ -49,8 +49,8 @@ for _mod, _name in ((torch, 'save'), (safetensors.torch, 'save_file')):
 def _flat(params):
     "The parameters as one vector: this rank's slices under FSDP2 (DTensors) and DeepSpeed ZeRO-3 (`ds_tensor`), the whole tensors otherwise."
     import torch
-    part = lambda p: p.ds_tensor if hasattr(p, 'ds_tensor') else p.to_local() if hasattr(p, 'to_local') else p
-    return torch.cat([part(p).detach().float().flatten().cpu() for p in params])
+    from imagegen.training.checkpoints import local_part
+    return torch.cat([local_part(p).detach().float().flatten().cpu() for p in params])
 
 
 def _instrument_training():

@@ -6,21 +6,15 @@ tests/dist_probe.py records what each rank held."""
 import json, shutil, sys
 from pathlib import Path
 import pytest, torch
-from conftest import ROOT, free_port, launch, rank_records, run
-from test_fsdp import ARGS, FAMILIES, VQ, folder_tensors, max_diff, unet
+from conftest import ROOT, launch, rank_records, run
+from test_fsdp import ARGS, FAMILIES, VQ, folder_tensors, gpt_grpo_matches_ddp, launch_config, max_diff, shapes, unet
 
 pytest.importorskip('deepspeed')
-CONFIGS = ROOT/'scripts'/'configs'/'accelerate'
 
 
-def launch_zero(stage:int, script, *args, probe=None, timeout=600, launcher=(), check=True, env=None):
-    "`launch` with the repository's ZeRO-`stage` accelerate config on 2 CPU ranks (no mixed precision unless `launcher` says)."
-    target = [str(ROOT/'tests'/'dist_probe.py'), str(probe)] if probe else []
-    cmd = [str(Path(sys.executable).parent/'accelerate'), 'launch', '--config_file', str(CONFIGS/f'zero{stage}.yaml'), '--num_processes', '2',
-           '--mixed_precision', 'no', *map(str, launcher), '--main_process_port', str(free_port()), *target,
-           str(ROOT/script if not Path(script).is_absolute() else script), *map(str, args)]
-    # DeepSpeed finds the CPU itself; accelerate's ACCELERATE_USE_CPU=1 (which `make test` exports without GPUs) would launch DDP
-    return run(cmd, env={'OMP_NUM_THREADS': '1', 'ACCELERATE_USE_CPU': '0', **(env or {})}, timeout=timeout, check=check)
+def launch_zero(stage:int, script, *args, **kwargs):
+    "`launch_config` with the repository's ZeRO-`stage` accelerate config (scripts/configs/accelerate/zero<stage>.yaml)."
+    return launch_config(f'zero{stage}', script, *args, **kwargs)
 
 
 def close_to_ddp(a:dict, b:dict, lr:float=1e-3):
@@ -34,13 +28,6 @@ def close_to_ddp(a:dict, b:dict, lr:float=1e-3):
     off = sum(int(((a[k].float() - b[k].float()).abs() > 1e-5).sum()) for k in a)
     n = sum(v.numel() for v in a.values())
     assert worst < lr / 4 and off < 1e-4 * n, f"max gap {worst:.3g}, {off} of {n} weights more than 1e-5 apart"
-
-
-@pytest.fixture(scope='module')
-def shapes(tmp_path_factory):
-    d = tmp_path_factory.mktemp('shapes')
-    run([sys.executable, 'scripts/make_shapes.py', '--out', str(d), '--n_train', '32', '--n_validation', '0', '--n_test', '0'])
-    return d/'imagefolder'/'train'
 
 
 @pytest.fixture(scope='module')
@@ -212,23 +199,9 @@ def test_family_trains_under_zero3_like_ddp(family, tmp_path):
 
 
 def test_grpo_under_zero3_matches_ddp(tmp_path):
-    """GRPO of a latent GPT under ZeRO-3: its rollouts call the GPT's sampler outside DeepSpeed's forward with every
-    parameter gathered (`full_policy`), the ratio is exactly 1 at each rollout's first update on each rank, and after
-    4 SGD steps the weights are DDP's to 1e-5 (the same rollouts; only the reduction's rounding differs)."""
-    from safetensors.torch import load_file
-    from test_fsdp import GPT_GRPO
-    (tmp_path/'grpo.py').write_text(GPT_GRPO)
-    launch(tmp_path/'grpo.py', tmp_path/'ddp')
-    launch_zero(3, tmp_path/'grpo.py', tmp_path/'zero3')
-    for r in (0, 1):
-        seen = json.loads((tmp_path/'zero3'/f'seen_rank{r}.json').read_text())
-        assert seen[0] == [1.0, 1.0] and seen[2] == [1.0, 1.0], f"rank {r}: ratio ranges {seen} (first updates of the two rollouts must be 1)"
-        ddp = json.loads((tmp_path/'ddp'/f'seen_rank{r}.json').read_text())
-        assert sum(seen, []) == pytest.approx(sum(ddp, []), abs=1e-5), (seen, ddp)
-    assert (tmp_path/'zero3'/'samples').is_dir(), "the validation grid (sampled from the gathered policy on every rank) was not written"
-    files = lambda d: sorted((tmp_path/d/'model').rglob('*.safetensors'))
-    a, b = ({k: v for f in files(d) for k, v in load_file(str(f)).items()} for d in ('ddp', 'zero3'))
-    assert max_diff(a, b) < 1e-5, max_diff(a, b)
+    """GRPO of a latent GPT under ZeRO-3 (`gpt_grpo_matches_ddp`): its rollouts call the GPT's sampler outside DeepSpeed's
+    forward with every parameter gathered (`full_policy`); without the gather the first rollout fails."""
+    gpt_grpo_matches_ddp(tmp_path, 'zero3')
 
 
 @pytest.mark.parametrize('stage', [2, 3])

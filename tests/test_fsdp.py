@@ -9,17 +9,24 @@ from conftest import ROOT, free_port, launch, rank_records, run
 
 ARGS = ['--max_steps', 4, '--batch_size', 4, '--lr', 1e-3, '--warmup_steps', 0, '--tracker', 'none', '--sample_every', 2, '--n_samples', 2,
         '--checkpoint_every', 2, '--ema', '--ema_decay', 0.9]
-FSDP = ['--config_file', str(ROOT/'scripts'/'configs'/'accelerate'/'fsdp2.yaml')]   # the file users launch with on GPUs
 
 
-def launch_fsdp(script, *args, probe=None, timeout=600, launcher=()):
-    """`launch` with the repository's FSDP2 accelerate config (2 CPU ranks, no mixed precision: command-line flags override
-    the file; `launcher`: more `accelerate launch` flags)."""
+def launch_config(name:str, script, *args, probe=None, timeout=600, launcher=(), check=True, env=None):
+    """`launch` with the repository's accelerate config `name` (scripts/configs/accelerate/NAME.yaml: fsdp2, zero2,
+    zero3; the files users launch with on GPUs) on 2 CPU ranks, no mixed precision (command-line flags override the
+    file; `launcher`: more `accelerate launch` flags). FSDP2 needs accelerate's CPU flag; DeepSpeed finds the CPU
+    itself, and that flag (which `make test` exports without GPUs) would make accelerate launch DDP instead."""
     target = [str(ROOT/'tests'/'dist_probe.py'), str(probe)] if probe else []
-    cmd = [str(Path(sys.executable).parent/'accelerate'), 'launch', *FSDP, '--num_processes', '2', '--num_machines', '1',
-           '--mixed_precision', 'no', '--dynamo_backend', 'no', *map(str, launcher), '--main_process_port', str(free_port()), *target,
-           str(ROOT/script), *map(str, args)]
-    return run(cmd, env={'ACCELERATE_USE_CPU': '1'}, timeout=timeout)
+    cmd = [str(Path(sys.executable).parent/'accelerate'), 'launch', '--config_file', str(ROOT/'scripts'/'configs'/'accelerate'/f'{name}.yaml'),
+           '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no', *map(str, launcher),
+           '--main_process_port', str(free_port()), *target, str(ROOT/script if not Path(script).is_absolute() else script), *map(str, args)]
+    cpu = {'ACCELERATE_USE_CPU': '1'} if name == 'fsdp2' else {'ACCELERATE_USE_CPU': '0', 'OMP_NUM_THREADS': '1'}
+    return run(cmd, env={**cpu, **(env or {})}, timeout=timeout, check=check)
+
+
+def launch_fsdp(script, *args, **kwargs):
+    "`launch_config` with scripts/configs/accelerate/fsdp2.yaml."
+    return launch_config('fsdp2', script, *args, **kwargs)
 
 
 def two_stage_grpo_under_fsdp_and_ddp(tmp_path, script:str, load, stages, tol:float):
@@ -244,24 +251,29 @@ with open(f"{sys.argv[1]}/seen_rank{os.environ.get('RANK', 0)}.json", 'w') as f:
 '''
 
 
-def test_grpo_under_fsdp_matches_ddp(tmp_path):
-    """GRPO of a latent GPT under FSDP2: its rollouts call the GPT's sampler outside the sharded forward (they run inside
-    `unsharded`), the ratio is exactly 1 at each rollout's first update on each rank, and after 4 SGD steps the weights
-    are DDP's to 1e-5 (the same rollouts: the same seeds and weights; reduce-scatter against all-reduce rounding). Without
-    the gather the first rollout fails on a DTensor."""
+def gpt_grpo_matches_ddp(tmp_path, name:str):
+    """GRPO of a latent GPT (GPT_GRPO) on 2 ranks under DDP and under accelerate config `name`: the ratio exactly 1 at each
+    rollout's first update on each rank, DDP's ratio ranges and, after 4 SGD steps, DDP's weights to 1e-5 (the same
+    rollouts: the same seeds and weights; only the reductions' rounding differs); the validation grid written."""
     from safetensors.torch import load_file
     (tmp_path/'grpo.py').write_text(GPT_GRPO)
     launch(tmp_path/'grpo.py', tmp_path/'ddp')
-    launch_fsdp(tmp_path/'grpo.py', tmp_path/'fsdp')
+    launch_config(name, tmp_path/'grpo.py', tmp_path/name)
     for r in (0, 1):
-        seen = json.loads((tmp_path/'fsdp'/f'seen_rank{r}.json').read_text())
+        seen = json.loads((tmp_path/name/f'seen_rank{r}.json').read_text())
         assert seen[0] == [1.0, 1.0] and seen[2] == [1.0, 1.0], f"rank {r}: ratio ranges {seen} (first updates of the two rollouts must be 1)"
         ddp = json.loads((tmp_path/'ddp'/f'seen_rank{r}.json').read_text())
         assert sum(seen, []) == pytest.approx(sum(ddp, []), abs=1e-5), (seen, ddp)
-    assert (tmp_path/'fsdp'/'samples').is_dir(), "the validation grid (sampled outside the root's forward on every rank) was not written"
+    assert (tmp_path/name/'samples').is_dir(), "the validation grid (sampled outside the sharded forward on every rank) was not written"
     files = lambda d: sorted((tmp_path/d/'model').rglob('*.safetensors'))
-    a, b = ({k: v for f in files(d) for k, v in load_file(str(f)).items()} for d in ('ddp', 'fsdp'))
+    a, b = ({k: v for f in files(d) for k, v in load_file(str(f)).items()} for d in ('ddp', name))
     assert max_diff(a, b) < 1e-5, max_diff(a, b)
+
+
+def test_grpo_under_fsdp_matches_ddp(tmp_path):
+    """GRPO of a latent GPT under FSDP2 (`gpt_grpo_matches_ddp`): its rollouts call the GPT's sampler outside the sharded
+    forward (they run inside `unsharded`). Without the gather the first rollout fails on a DTensor."""
+    gpt_grpo_matches_ddp(tmp_path, 'fsdp2')
 
 
 @pytest.mark.slow

@@ -10,13 +10,13 @@ from accelerate import Accelerator
 from ..config import UserError, free_space, size_text
 
 # %% auto #0
-__all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'DS_STATES', 'DS_SAFE_GLOBALS', 'LOCK_FILE', 'EXIT_PREEMPTED',
-           'STOP_SIGNALS', 'write_atomic', 'list_checkpoints', 'latest_checkpoint', 'save_checkpoint',
-           'clean_partial_checkpoints', 'CheckpointError', 'DiskFullError', 'disk_full', 'free_gib',
-           'check_sharded_folder', 'deepspeed_layout', 'check_deepspeed_folder', 'checkpoint_kind', 'check_checkpoint',
-           'usable_checkpoint', 'ema_tensors', 'ema_parameters', 'ema_targets', 'is_sharded', 'is_zero3', 'ema_view',
-           'full_tensor', 'shard_like', 'refresh_persistent', 'resharded', 'unsharded', 'gathered', 'RunLocked',
-           'holder_gone', 'acquire_run_lock', 'check_output_dir', 'release_run_lock', 'Preempted', 'find_checkpoint',
+__all__ = ['CKPT_PREFIX', 'TMP_PREFIX', 'LATEST', 'EMA_FILE', 'DS_SAFE_GLOBALS', 'LOCK_FILE', 'EXIT_PREEMPTED', 'STOP_SIGNALS',
+           'write_atomic', 'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'clean_partial_checkpoints',
+           'CheckpointError', 'DiskFullError', 'disk_full', 'free_gib', 'check_sharded_folder', 'deepspeed_layout',
+           'check_deepspeed_folder', 'checkpoint_kind', 'check_checkpoint', 'usable_checkpoint', 'ema_tensors',
+           'ema_parameters', 'ema_targets', 'is_sharded', 'is_zero3', 'local_part', 'ema_view', 'full_tensor',
+           'shard_like', 'refresh_persistent', 'resharded', 'unsharded', 'gathered', 'RunLocked', 'holder_gone',
+           'acquire_run_lock', 'check_output_dir', 'release_run_lock', 'Preempted', 'find_checkpoint',
            'load_trained_weights']
 
 # %% ../../nbs/02a_checkpoints.ipynb #390c3c59
@@ -147,7 +147,6 @@ def check_sharded_folder(folder:str|Path):
             with open(f, 'rb') as fh: fh.seek(info.offset); data = fh.read(info.length)
             torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)
 
-DS_STATES = 'zero_pp_rank_*_optim_states.pt'   # one per rank in a DeepSpeed checkpoint's folder (every ZeRO stage), beside its model states
 # the only classes DeepSpeed's ZeRO checkpoints pickle beside tensors and plain containers (its stage, its loss scaler,
 # and ZeRO-1/2's (numel, start) record of where each parameter lies in the flat partition)
 DS_SAFE_GLOBALS = ('deepspeed.runtime.zero.config.ZeroStageEnum', 'deepspeed.runtime.fp16.loss_scaler.LossScaler',
@@ -164,8 +163,8 @@ def deepspeed_layout(folder:str|Path) -> dict:
 
 def check_deepspeed_folder(folder:str|Path):
     """Read a DeepSpeed checkpoint folder (`accelerate.save_state` under DeepSpeed: each rank's `*_optim_states.pt`, and
-    the model states: one `mp_rank_00_model_states.pt` under ZeRO-1/2, one per rank under ZeRO-3) without running code. DeepSpeed loads these with `torch.load(weights_only=False)`, so code
-    planted in one would run; here each file's pickle is first scanned for the classes it names (nothing is built),
+    the model states: one `mp_rank_00_model_states.pt` under ZeRO-1/2, one per rank under ZeRO-3) without running code.
+    DeepSpeed unpickles these without restriction, so code planted in one would run; here each file's pickle is first scanned for the classes it names (nothing is built),
     only DeepSpeed's own stage and loss-scaler classes may appear beside tensors, and then it is read with
     `weights_only=True` allowing just those, which also finds a truncated file. Every rank's optimizer state must be there."""
     import importlib, torch
@@ -281,7 +280,8 @@ def ema_targets(module, shadow:list, ckpt='') -> list[tuple[str, object]]:
     if pairs is None: raise ValueError(f"{ckpt}: the EMA has {len(shadow)} tensors but {type(module).__name__} trains {len(trained)} "
                                        f"parameters (of {len(named)}): a checkpoint of another model.")
     for i, ((name, p), s) in enumerate(zip(pairs, shadow)):
-        if getattr(p, 'ds_shape', p.shape) != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(p.shape)}: a checkpoint of another model.")
+        shape = getattr(p, 'ds_shape', p.shape)   # ZeRO-3: the parameter's own shape, not its placeholder's
+        if shape != s.shape: raise ValueError(f"{ckpt}: EMA tensor {i} has shape {tuple(s.shape)} but {name} is {tuple(shape)}: a checkpoint of another model.")
     return pairs
 
 # %% ../../nbs/02a_checkpoints.ipynb #6c00f7e7
@@ -293,6 +293,10 @@ def is_sharded(t) -> bool:
 def is_zero3(p) -> bool:
     "Whether parameter `p` is partitioned by DeepSpeed ZeRO-3 (this rank's flat slice of it in `p.ds_tensor`)."
     return hasattr(p, 'ds_id') and hasattr(p, 'ds_tensor')
+
+def local_part(p):
+    "What this rank holds of parameter `p`: its flat slice under ZeRO-3 (`ds_tensor`), its local slice under FSDP2, the whole tensor otherwise."
+    return p.ds_tensor if is_zero3(p) else p.to_local() if is_sharded(p) else p
 
 def ema_view(params:list) -> list:
     """What an EMA of `params` averages on this rank: under ZeRO-3 each parameter's flat slice (`ds_tensor`, which the
@@ -329,8 +333,7 @@ def shard_like(full, like):
 def refresh_persistent(model):
     """ZeRO-3 keeps small parameters whole on every rank (`stage3_param_persistence_threshold`) beside their slices, and
     others whole for a while after a forward; after the slices were overwritten in place (an EMA swapped in or out) the
-    whole copies are rebuilt from them. Every rank
-    calls it; nothing happens without ZeRO-3."""
+    whole copies are rebuilt from them. Every rank calls it; nothing happens without ZeRO-3."""
     for p in model.parameters():
         if is_zero3(p) and p.data.numel() == p.ds_numel: p.data.copy_(_zero3_full(p.ds_tensor, p))   # whole now: persistent, or still gathered
 
@@ -507,7 +510,7 @@ def _sharded_weights(folder:Path, module) -> dict:
 def _deepspeed_weights(folder:Path) -> dict:
     """The whole float32 weights of DeepSpeed checkpoint folder `folder` (accelerate's `pytorch_model/`: every rank's ZeRO
     partitions), put together in this one process by DeepSpeed's own `zero_to_fp32`, after `check_deepspeed_folder`
-    (DeepSpeed reads them with `weights_only=False`)."""
+    (DeepSpeed unpickles them without restriction)."""
     check_deepspeed_folder(folder)
     try: from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError: raise CheckpointError(f"{folder} is a DeepSpeed checkpoint: exporting it needs DeepSpeed (pip install --no-build-isolation deepspeed).") from None
@@ -524,9 +527,9 @@ def load_trained_weights(module, ckpt:str|Path, ema:bool=False):
         with torch.no_grad():
             for (_, p), s in zip(ema_targets(module, shadow, ckpt), shadow): p.copy_(s.to(p.dtype))
         return module
-    f, sharded = ckpt/'model.safetensors', ckpt/'pytorch_model_fsdp_0'
-    if not f.exists() and (sharded/'.metadata').is_file(): sd, own = _sharded_weights(sharded, module), module.state_dict()
-    elif not f.exists() and any((ckpt/'pytorch_model').glob(DS_STATES)): sd, own = _deepspeed_weights(ckpt/'pytorch_model'), module.state_dict()
+    f, kind = ckpt/'model.safetensors', checkpoint_kind(ckpt)
+    if not f.exists() and kind == 'fsdp': sd, own = _sharded_weights(ckpt/'pytorch_model_fsdp_0', module), module.state_dict()
+    elif not f.exists() and kind == 'deepspeed': sd, own = _deepspeed_weights(ckpt/'pytorch_model'), module.state_dict()
     elif not f.exists(): raise FileNotFoundError(f"{f} not found: {ckpt} is not a checkpoint written by the training loop.")
     else: sd, own = load_file(str(f)), module.state_dict()
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))

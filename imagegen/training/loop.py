@@ -25,7 +25,7 @@ from .checkpoints import (CKPT_PREFIX, EXIT_PREEMPTED, STOP_SIGNALS, TMP_PREFIX,
                                           CheckpointError, DiskFullError, EMA_FILE, RunLocked, acquire_run_lock, check_checkpoint, disk_full, ema_parameters,
                                           ema_targets, ema_tensors, free_gib, full_tensor, gathered, is_sharded, resharded, shard_like, size_text, unsharded,
                                           latest_checkpoint, list_checkpoints, release_run_lock, save_checkpoint, usable_checkpoint,
-                                          write_atomic, checkpoint_kind, deepspeed_layout, ema_view, is_zero3, refresh_persistent)
+                                          write_atomic, checkpoint_kind, deepspeed_layout, ema_view, is_zero3, local_part, refresh_persistent)
 from .tracking import check_tracker, flat_params, run_info, scalars
 
 # %% auto #0
@@ -479,11 +479,13 @@ def _resume(self:Trainer) -> Path|None:
     if written != now or (ds and (ds['ranks'], ds['stage']) != (self.acc.num_processes, deepspeed_zero_stage(self.acc))):
         # torch's distributed checkpoint reshards to any number of ranks, but not to or from DDP; DeepSpeed's ZeRO
         # partitions load only on as many ranks as wrote them, under the same stage
-        how = {'fsdp': "under FSDP2 (each rank's slices): resume it under FSDP2, on any number of ranks (accelerate launch "
-                       "--config_file scripts/configs/accelerate/fsdp2.yaml)",
-               'deepspeed': f"under DeepSpeed ZeRO-{ds and ds['stage']} by {ds and ds['ranks']} ranks: resume it the same way (accelerate launch "
-                            f"--config_file scripts/configs/accelerate/zero{ds and ds['stage']}.yaml --num_processes {ds and ds['ranks']})",
-               'ddp': "without sharding (DDP or one process): resume it that way, on any number of ranks"}[written]
+        if written == 'deepspeed':
+            how = (f"under DeepSpeed ZeRO-{ds['stage']} by {ds['ranks']} ranks: resume it the same way (accelerate launch "
+                   f"--config_file scripts/configs/accelerate/zero{ds['stage']}.yaml --num_processes {ds['ranks']})")
+        elif written == 'fsdp':
+            how = ("under FSDP2 (each rank's slices): resume it under FSDP2, on any number of ranks (accelerate launch "
+                   "--config_file scripts/configs/accelerate/fsdp2.yaml)")
+        else: how = "without sharding (DDP or one process): resume it that way, on any number of ranks"
         raise CheckpointError(f"{ckpt} was written {how}; or export its weights with scripts/export_checkpoint.py and start "
                               "a new run from them (--pretrained_model_name_or_path) in a new output_dir.")
     try: self.acc.load_state(str(ckpt))   # model (safetensors), optimizer and random states (weights_only=True)
@@ -783,7 +785,7 @@ def _checkpoint(self:Trainer) -> Path:
     model = self.acc.unwrap_model(self.model)
     named = list(model.named_parameters())
     # each rank checks its slice (FSDP2) or its replica; the first bad index over all ranks decides, so every rank stops alike
-    local = next((i for i, (_, p) in enumerate(named) if not torch.isfinite(p.ds_tensor if is_zero3(p) else p.to_local() if is_sharded(p) else p).all()), len(named))
+    local = next((i for i, (_, p) in enumerate(named) if not torch.isfinite(local_part(p)).all()), len(named))
     sharded = bool(named) and (is_sharded(named[0][1]) or is_zero3(named[0][1]))
     first = int(self.acc.gather(torch.tensor([local], device=self.acc.device)).min()) if sharded and self.acc.num_processes > 1 else local
     if first < len(named):   # never write a checkpoint that a resume (or `latest`) would take for a good one
