@@ -83,9 +83,10 @@ class GlmBuildConfig(Config):
     presets:ClassVar[dict[str, dict]] = {
         'tiny': {},
         'shapes': dict(codebook_size=256, ar_hidden=128, ar_layers=4, ar_heads=4, ar_kv_heads=2, ar_intermediate=256, vision_hidden=64,
-                       vision_heads=4, vision_intermediate=128, dit_layers=4, dit_heads=4, dit_head_dim=16, dit_time_embed_dim=64,
+                       vision_heads=4, vision_intermediate=128, dit_layers=6, dit_heads=4, dit_head_dim=32, dit_time_embed_dim=64,
                        dit_condition_dim=32, scheduler_shift=2.5),   # Shapes on CPU: 256 codes and a wider vision tower, so that a 2x2 token grid tells shapes apart;
-                       # shift 2.5 (more noise) where the release's rule gives 0.44 at 64 px (nbs/experiments/13_glm_image.ipynb)
+                       # shift 2.5 (more noise) where the release's rule gives 0.44 at 64 px; a DiT of 6 layers x 128 wide (1.9M), where 4 x 64
+                       # drew colour and shape right half as often from the true tokens (nbs/experiments/13_glm_image.ipynb)
         'release': dict(codebook_size=16384, ar_hidden=4096, ar_layers=40, ar_heads=32, ar_kv_heads=2, ar_intermediate=13696,
                         ar_vocab_size=168064, ar_image_vocab_size=16512, vision_hidden=1536, vision_layers=40, vision_heads=16,
                         vision_intermediate=6144, vq_dim=2048, glyph_width=1472, glyph_layers=12, glyph_heads=6, glyph_head_dim=64,

@@ -26,8 +26,10 @@ def glm_ar_inputs(pipe:GlmImagePipeline, prompts:list[str], height:int, width:in
     if sources is not None and (len(sources) != len(prompts) or len({len(s) for s in sources}) > 1):
         raise ValueError(f"{len(prompts)} prompts with {[len(s) for s in sources]} source images: every prompt needs a list of its source "
                          "images, the same number of condition images for each (GlmImagePipeline's rule).")
-    return pipe.processor.apply_chat_template(glm_messages(prompts, sources), tokenize=True, padding=len(prompts) > 1, target_h=height,
-                                              target_w=width, return_dict=True, return_tensors='pt')
+    # the pipeline's arguments; the processor's own in `processor_kwargs`, where transformers 5 wants them (the same call, without
+    # the warning it prints for each one passed loose, as the pipeline passes them)
+    return pipe.processor.apply_chat_template(glm_messages(prompts, sources), tokenize=True, return_dict=True, return_tensors='pt',
+                                              processor_kwargs=dict(padding=len(prompts) > 1, target_h=height, target_w=width))
 
 # %% ../../nbs/05g_glm_sft.ipynb #1bdfee7f
 def _pil(x) -> PIL.Image.Image:

@@ -23,7 +23,8 @@ from .sft import (_pil, glm_ar_batch, glm_ar_loss, glm_dit_batch, glm_dit_loss, 
 # %% auto #0
 __all__ = ['GLM_FILE', 'AR_LORA_DIR', 'DIT_LORA_DIR', 'GlmConfig', 'GlmDataConfig', 'ar_lora_config', 'dit_lora_config',
            'lora_parameters', 'merged_state_dict', 'merged_copy', 'GlmStages', 'GlmImage', 'PerPromptSampler',
-           'glm_code_features', 'glm_grids', 'fit_glm_codebook', 'use_vae', 'load_glm_pipeline']
+           'glm_code_features', 'glm_grids', 'fit_glm_codebook', 'localise_vision_tower', 'use_vae',
+           'load_glm_pipeline']
 
 # %% ../../nbs/05i_glm_train.ipynb #e1c2bd76
 GLM_FILE = 'imagegen_glm.json'
@@ -352,8 +353,19 @@ def fit_glm_codebook(pipe:GlmImagePipeline, images:list, grids:list[tuple[int, i
     return {'used': int(sim.argmax(1).unique().numel()), 'codes': K, 'cosine': float(sim.max(1).values.mean())}
 
 @torch.no_grad()
+def localise_vision_tower(pipe:GlmImagePipeline) -> GlmImagePipeline:
+    """Make a random vision tower's features describe each patch alone: its position embedding and every block's attention
+    output set to zero (the classes unchanged), so a patch's code depends on its own pixels, not on where it is or what else
+    the image holds. For a tower built from nothing only; a trained one (the release's) is left as it is."""
+    v = pipe.vision_language_encoder.model.visual
+    v.embeddings.position_embedding.weight.zero_()
+    for b in v.blocks: b.attn.proj.weight.zero_(); b.attn.proj.bias.zero_()
+    return pipe
+
+@torch.no_grad()
 def use_vae(pipe:GlmImagePipeline, vae, images:list, batch:int=64) -> GlmImagePipeline:
-    "Put trained `AutoencoderKL` `vae` into `pipe` with the per-channel mean and std of its latents over `images` (the pipeline normalises by them)."
+    """Put trained `AutoencoderKL` `vae` into `pipe` with the per-channel mean and std of its latents over `images` (the pipeline
+    normalises by them): of the posterior draws the DiT trains on (`glm_latents`), not of the posterior means alone."""
     dit = pipe.transformer
     if 2 ** (len(vae.config.block_out_channels) - 1) * dit.config.patch_size != 16:
         raise ConfigError(f"a VAE of {len(vae.config.block_out_channels)} blocks downsamples {2 ** (len(vae.config.block_out_channels) - 1)}x: GLM-Image's DiT "
@@ -361,10 +373,12 @@ def use_vae(pipe:GlmImagePipeline, vae, images:list, batch:int=64) -> GlmImagePi
     if vae.config.latent_channels != dit.config.in_channels:
         raise ConfigError(f"the VAE has {vae.config.latent_channels} latent channels, the DiT reads {dit.config.in_channels}: train the VAE with --latent_channels {dit.config.in_channels}.")
     vae = vae.to(pipe.vae.device).eval().requires_grad_(False)
-    zs = [vae.encode(pipe.image_processor.preprocess([_pil(im) for im in images[i:i + batch]]).to(vae.device, vae.dtype)).latent_dist.mode()
+    ds = [vae.encode(pipe.image_processor.preprocess([_pil(im) for im in images[i:i + batch]]).to(vae.device, vae.dtype)).latent_dist
           for i in range(0, len(images), batch)]
-    z = torch.cat(zs).float()
-    vae.register_to_config(latents_mean=z.mean((0, 2, 3)).tolist(), latents_std=z.std((0, 2, 3)).tolist())
+    m, v = torch.cat([d.mean for d in ds]).float(), torch.cat([d.var for d in ds]).float()
+    # a draw's variance: the spread of the means plus the posterior's own variance (exact, no draws needed)
+    mean, std = m.mean((0, 2, 3)), (m.var((0, 2, 3)) + v.mean((0, 2, 3))).sqrt()
+    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
     pipe.register_modules(vae=vae)
     return pipe
 
@@ -377,6 +391,7 @@ def fit_first_stages(self:GlmImage, images:list) -> dict:
         use_vae(self.pipe, AutoencoderKL.from_pretrained(cfg.vae), images)
         out['vae'] = cfg.vae
     if cfg.fit_codebook:
+        localise_vision_tower(self.pipe)
         out['codebook'] = fit_glm_codebook(self.pipe, images[:cfg.fit_codebook], glm_grids(self.pipe, cfg.resolution, cfg.resolution, cfg.mode))
     return out
 
