@@ -30,10 +30,12 @@ def grids(model:GlmImage, dcfg, n:int):
 
 def train_glm_image(tcfg:TrainConfig, cfg:GlmConfig, dcfg:GlmDataConfig) -> GlmImage:
     "Fine-tune GLM-Image with the shared loop; the model goes to OUTPUT_DIR/model."
-    from imagegen.training.loop import make_accelerator, train
+    from imagegen.training.loop import frozen_dtype, make_accelerator, train
     tcfg = tcfg.override({'tags': {'model': 'glm-image', 'train': cfg.train, 'mode': cfg.mode, **(tcfg.tags or {})}})
     acc = make_accelerator(tcfg)
-    model = GlmImage.from_config(cfg, seed=tcfg.seed)
+    # under bf16/fp16 a loaded model comes in that dtype (the release: 33 GiB of host memory, not 66), its trained weights then
+    # made float32; the loop keeps the frozen ones in it (`cast_frozen`). A model built here is built in float32.
+    model = GlmImage.from_config(cfg, seed=tcfg.seed, torch_dtype=frozen_dtype(acc))
     grids(model, dcfg, tcfg.n_samples)                          # --validation_prompts win (the loop sets them)
     data = dcfg if cfg.mode == 'i2i' else t2i_data(dcfg)
     if dcfg.cache_latents and cfg.mode == 'i2i':

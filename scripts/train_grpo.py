@@ -46,7 +46,7 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
     "GRPO fine-tuning with the shared loop; the model goes to OUTPUT_DIR/model, the grids next to it."
     import dataclasses
     from imagegen.grids import save_grid
-    from imagegen.training.loop import make_accelerator, train
+    from imagegen.training.loop import frozen_dtype, make_accelerator, train
     if tcfg.batch_size != DEFAULTS['train'].batch_size:      # the task draws its own batches: the loader's batch size would be swallowed
         raise ConfigError(f"--train_batch_size {tcfg.batch_size}: a GRPO step's batch is the task's own rollout, --prompts_per_step prompts x "
                           f"--num_generations samples per process (now {cfg.prompts_per_step} x {gcfg.group_size}); set those instead.")
@@ -54,7 +54,10 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
         raise ConfigError("--eval_steps and --num_validation_prompts go together: the evaluations score prompts held out of the training stream "
                           "(e.g. --eval_steps 25 --num_validation_prompts 64 --metric_for_best_model reward_mean).")
     acc = make_accelerator(tcfg)
-    task = cfg.build(gcfg).to(acc.device)
+    task = cfg.build(gcfg)
+    # frozen weights in the compute dtype before they move (the loop's own `cast_frozen`, done here because the task goes to the device now)
+    if (half := frozen_dtype(acc)) is not None and callable(getattr(task, 'cast_frozen', None)): task.cast_frozen(half)
+    task = task.to(acc.device)
     tcfg = dataclasses.replace(tcfg, tags={'model': family_of(task.model).removesuffix('-edit'), **(tcfg.tags or {})})
     prompts, ctx = task.prompts(tcfg.n_samples, seed=GRID_SEED)
     sources = ctx.get('sources')

@@ -69,6 +69,11 @@ def _instrument_training():
         model = self.acc.unwrap_model(self.model)
         REC['params_start'] = _flat(model.parameters())
         REC['param_dtypes'] = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})   # as stored (FSDP2: the slices)
+        # the frozen weights' dtypes: the task's modules and, for a pipeline task (GLM-Image), its components
+        mods = [m for m in vars(self.task).values() if isinstance(m, torch.nn.Module)]
+        pipe = getattr(getattr(self.task, 'glm', self.task), 'pipe', None)
+        if pipe is not None: mods += [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+        REC['frozen_dtypes'] = sorted({str(p.dtype) for m in mods for p in m.parameters() if not p.requires_grad})
         first = next((m for m in model.modules() if isinstance(getattr(m, 'weight', None), torch.nn.Parameter) and m.weight.requires_grad), None)
         if first is not None:   # the dtype the first trained layer's weight has inside the forward (FSDP2's param_dtype casts it there)
             def seen(m, args):

@@ -1,6 +1,7 @@
 """GLM-Image through its real scripts: train_glm_image.py on 2 gloo CPU ranks (both stages, LoRA on the DiT, EMA: replicas
-identical), exact resume in one process, the saved folder in diffusers' GlmImagePipeline, sample.py on 2 ranks in prompt
-order, evaluate.py, image to image through sample.py --shapes_edit_split, and the errors a user meets."""
+identical), exact resume in one process, bf16 LoRA over a saved base (frozen weights in bf16), the saved folder in
+diffusers' GlmImagePipeline, sample.py on 2 ranks in prompt order, evaluate.py, image to image through sample.py
+--shapes_edit_split, and the errors a user meets."""
 import json, sys
 from pathlib import Path
 import pytest, torch
@@ -78,6 +79,32 @@ def test_folder_loads_in_the_pipeline_and_samples_on_two_ranks(glm2, tmp_path):
         assert_same_image(tmp_path/'one'/r['file_name'], tmp_path/'two'/r['file_name'])
     run([sys.executable, 'scripts/evaluate.py', '--samples', str(tmp_path/'one'), '--feature', 'random', '--log_to_run', 'false'])
     assert json.loads((tmp_path/'one'/'metrics.json').read_text())['oracle/n'] == 3
+
+
+def test_bf16_keeps_the_frozen_weights_in_bf16_and_its_adapters_load(tmp_path):
+    """--mixed_precision bf16 over a saved base with LoRA on both stages (what users run on the release): the base loads in
+    bf16 and its frozen weights stay so (diffusers' `weight_dtype`: the release's 17.7B in 33 GiB, not 66), the adapters
+    train in float32, and the saved adapters go onto the base in GlmImagePipeline as our loader puts them. A model built
+    here (in float32) gets its frozen weights in bf16 from the loop."""
+    from diffusers import GlmImagePipeline
+    from imagegen.glm.build import build_glm_image, fix_image_to_image
+    from imagegen.glm.task import AR_LORA_DIR, DIT_LORA_DIR, GlmImage
+    build_glm_image('tiny', seed=1).save_pretrained(tmp_path/'base')
+    launch('scripts/train_glm_image.py', '--output_dir', tmp_path/'run', *TINY, '--max_steps', 2, '--pretrained_model_name_or_path', tmp_path/'base',
+           '--ar_lora_rank', 4, '--dit_lora_rank', 4, '--mixed_precision', 'bf16', num_processes=1, probe=tmp_path/'probe')
+    # and a model built here (loaded in nothing: the loop's `cast_frozen` alone), the DiT in full
+    launch('scripts/train_glm_image.py', '--output_dir', tmp_path/'built', *TINY, '--max_steps', 1, '--warmup_steps', 0, '--train', 'dit', '--mixed_precision', 'bf16',
+           num_processes=1, probe=tmp_path/'probe_built')
+    for rec in (rank_records(tmp_path/'probe', 1)[0], rank_records(tmp_path/'probe_built', 1)[0]):
+        assert (rec['frozen_dtypes'], rec['param_dtypes']) == (['torch.bfloat16'], ['torch.float32']), (rec['frozen_dtypes'], rec['param_dtypes'])
+        assert not torch.equal(rec['params_start'], rec['params'])
+    folder = tmp_path/'run'/'model'
+    assert not (folder/'model_index.json').exists() and (folder/AR_LORA_DIR).is_dir() and (folder/DIT_LORA_DIR).is_dir()
+    pipe = fix_image_to_image(GlmImagePipeline.from_pretrained(tmp_path/'base'))
+    pipe.vision_language_encoder.load_adapter(str(folder/AR_LORA_DIR))
+    pipe.transformer.load_lora_adapter(str(folder/DIT_LORA_DIR), prefix=None, use_safetensors=True)
+    gen = lambda p: p(prompt=['a red circle'], height=64, width=64, num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type='pt').images
+    torch.testing.assert_close(gen(pipe), gen(GlmImage.from_pretrained(folder).pipe), rtol=0, atol=1e-5)
 
 
 def test_image_to_image_samples_as_an_editor(tmp_path):

@@ -92,7 +92,7 @@ def glm_memory_table(cfg:GlmBuildConfig|str='release', height:int=1024, width:in
     ar, dit, glyph, vae = _meta_models(cfg)
     n = lambda m: sum(p.numel() for p in m.parameters())
     tokenizer = n(ar.model.visual) + n(ar.model.vqmodel)                     # the generator's vision tower and VQ: frozen, they make the targets
-    present = {'ar': n(ar), 'dit': n(dit) + n(glyph) + n(vae) + tokenizer}   # what each stage's training holds on the GPU
+    held = n(ar) + n(dit) + n(glyph) + n(vae)                                 # the whole pipeline is on the GPU, whichever stage trains
     full = {'ar': n(ar) - tokenizer, 'dit': n(dit)}                          # what full fine-tuning trains
     adapters = {}
     for s, m, targets in (('ar', ar.model.language_model, AR_LORA_TARGETS), ('dit', dit, DIT_LORA_TARGETS)):
@@ -103,7 +103,6 @@ def glm_memory_table(cfg:GlmBuildConfig|str='release', height:int=1024, width:in
            for s in ('ar', 'dit') for lora in (True, False) for gc in (False, True)}
     G, rows = 2 ** 30, []
     for stages in (('ar',), ('dit',), ('ar', 'dit')):
-        held = n(ar) + n(dit) + n(glyph) + n(vae) if len(stages) == 2 else present[stages[0]]
         for lora in (True, False):
             trained = sum((adapters if lora else full)[s] for s in stages)
             # trained: fp32 weights, fp32 gradients, AdamW's two fp32 moments (16 B), + the bf16 copy autocast keeps (2 B, full only); frozen: bf16

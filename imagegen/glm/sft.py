@@ -42,7 +42,8 @@ def glm_vision_features(pipe:GlmImagePipeline, images:list, grid:tuple[int, int]
     h, w = grid
     ar = pipe.vision_language_encoder
     pv = pipe.processor.image_processor([_pil(im).resize((16 * w, 16 * h), PIL.Image.BICUBIC) for im in images], do_resize=False, return_tensors='pt')
-    return list(ar.get_image_features(pv['pixel_values'].to(ar.device, ar.dtype), pv['image_grid_thw'].to(ar.device)).pooler_output)
+    dtype = next(ar.model.visual.parameters()).dtype    # the tower's own (the model's `dtype` is its first weight's: a trained float32 one beside a bf16 tower)
+    return list(ar.get_image_features(pv['pixel_values'].to(ar.device, dtype), pv['image_grid_thw'].to(ar.device)).pooler_output)
 
 @torch.no_grad()
 def glm_image_codes(pipe:GlmImagePipeline, images:list, grid:tuple[int, int]) -> torch.Tensor:

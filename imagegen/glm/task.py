@@ -168,6 +168,26 @@ class GlmImage:
             else: dit.requires_grad_(True)
             dit.train()
         self.trainable = GlmStages(self)
+        self.compute_dtype = None                   # `cast_frozen`'s: the frozen weights' dtype, which sampling autocasts to
+        with torch.no_grad():                       # trained weights in float32 (a release loaded in bf16, or peft's adapters on bf16 layers): diffusers' `cast_training_params`
+            for p in self.trainable.parameters():
+                if p.requires_grad and p.dtype != torch.float32: p.data = p.data.float()
+
+    def cast_frozen(self, dtype:torch.dtype) -> 'GlmImage':
+        """Every frozen weight of the pipeline in `dtype` (the loop's compute dtype under bf16 or fp16 mixed precision), the
+        trained ones left in float32: diffusers' training scripts' `weight_dtype`. Under LoRA the release's 17.7B frozen weights
+        are 33 GiB in bf16 where float32 would take 66. Sampling then runs under autocast to `dtype` (`autocast`)."""
+        with torch.no_grad():
+            for m in (self.pipe.vision_language_encoder, self.pipe.transformer, self.pipe.text_encoder, self.pipe.vae):
+                for p in m.parameters():
+                    if not p.requires_grad and p.is_floating_point(): p.data = p.data.to(dtype)
+        self.compute_dtype = dtype
+        return self
+
+    def autocast(self):
+        "Autocast to the frozen weights' dtype (after `cast_frozen`), else nothing: what sampling and rollouts run under, outside the loop's own autocast."
+        import contextlib
+        return contextlib.nullcontext() if self.compute_dtype is None else torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     @property
     def device(self) -> torch.device: return self.pipe.transformer.device
@@ -298,7 +318,7 @@ def generate(self:GlmImage, prompts:list[str]|None=None, image:list|torch.Tensor
         from transformers import LogitsProcessorList
         ar.generate = functools.partial(type(ar).generate, ar, logits_processor=LogitsProcessorList([PerPromptSampler(ar.generation_config, [x.initial_seed() for x in g])]))
     try:
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == 'cuda' else []), torch.no_grad():   # the pipeline seeds the global generator: the run's own stream goes on untouched
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == 'cuda' else []), torch.no_grad(), self.autocast():   # the pipeline seeds the global generator: the run's own stream goes on untouched
             out = self.pipe(prompt=prompts, image=None if sources is None else [[_pil(im)] for im in sources], height=height or size,
                             width=width or size, num_inference_steps=s['num_inference_steps'], guidance_scale=s['guidance_scale'],
                             generator=g, output_type='pt', callback_on_step_end=callback_on_step_end).images
@@ -445,9 +465,11 @@ def save_pretrained(self:GlmImage, save_directory:str|Path):
                         base=None if full else base, revision=None if full else cfg.revision)
     (d/GLM_FILE).write_text(json.dumps(meta, indent=2))
 
-def load_glm_pipeline(path:str|Path, revision:str|None=None, cache_dir:str|None=None, merge:bool=False) -> GlmImagePipeline:
+def load_glm_pipeline(path:str|Path, revision:str|None=None, cache_dir:str|None=None, merge:bool=False,
+                      torch_dtype:torch.dtype|None=None) -> GlmImagePipeline:
     """A `GlmImagePipeline` from a pipeline folder or Hub id, or from a folder of LoRA adapters this task saved (its base
-    loaded, the adapters put on with peft; `merge`: folded into the base weights)."""
+    loaded, the adapters put on with peft; `merge`: folded into the base weights). `torch_dtype`: load the weights in it
+    (bf16: the release's 17.7B in 33 GiB of host memory, not 66)."""
     from imagegen.data import looks_like_path
     p = Path(path)
     if not p.exists() and looks_like_path(str(path)): raise FileNotFoundError(f"{path} does not exist: pass a GLM-Image folder, or a Hub id such as zai-org/GLM-Image.")
@@ -459,7 +481,8 @@ def load_glm_pipeline(path:str|Path, revision:str|None=None, cache_dir:str|None=
     if p.is_dir() and not index and not meta.get('base'):
         raise FileNotFoundError(f"{p} holds no GlmImagePipeline (no model_index.json) and names no base model: pass a GLM-Image folder or Hub id.")
     full = (p/'model_index.json').is_file() or not p.exists()
-    pipe = GlmImagePipeline.from_pretrained(str(p) if full else meta['base'], revision=revision if full else meta.get('revision'), cache_dir=cache_dir)
+    pipe = GlmImagePipeline.from_pretrained(str(p) if full else meta['base'], revision=revision if full else meta.get('revision'), cache_dir=cache_dir,
+                                            **({'torch_dtype': torch_dtype} if torch_dtype is not None else {}))
     if not full:
         if (p/AR_LORA_DIR).is_dir(): pipe.vision_language_encoder.load_adapter(str(p/AR_LORA_DIR))
         if (p/DIT_LORA_DIR).is_dir(): pipe.transformer.load_lora_adapter(str(p/DIT_LORA_DIR), prefix=None, use_safetensors=True, adapter_name='default')   # peft's name, as training gives it (checkpoints key on it)
@@ -480,8 +503,10 @@ def from_pretrained(cls:GlmImage, path:str|Path, cache_dir:str|None=None, revisi
     return m
 
 @patch(cls_method=True)
-def from_config(cls:GlmImage, cfg:GlmConfig, seed:int=0, sample_prompts:list[str]|None=None, sample_sources:list|None=None) -> GlmImage:
-    "The task a run of `cfg` trains: the model it names (a LoRA folder's adapters merged into its base), or a `cfg.size` GLM-Image built from nothing with `seed`."
+def from_config(cls:GlmImage, cfg:GlmConfig, seed:int=0, sample_prompts:list[str]|None=None, sample_sources:list|None=None,
+                torch_dtype:torch.dtype|None=None) -> GlmImage:
+    """The task a run of `cfg` trains: the model it names (a LoRA folder's adapters merged into its base; `torch_dtype`: loaded in
+    it, the trained weights then made float32), or a `cfg.size` GLM-Image built from nothing with `seed` (in float32)."""
     p = cfg.pretrained_model_name_or_path
-    pipe = load_glm_pipeline(p, cfg.revision, cfg.cache_dir, merge=True) if p else build_glm_image(cfg.size, seed=seed)
+    pipe = load_glm_pipeline(p, cfg.revision, cfg.cache_dir, merge=True, torch_dtype=torch_dtype) if p else build_glm_image(cfg.size, seed=seed)
     return cls(pipe, cfg, sample_prompts, sample_sources)

@@ -296,7 +296,18 @@ def _validation_rollout(self:GlmGRPO, prompts, seed:int, sources=None) -> tuple[
     return self.glm.generate(list(prompts), sources if self.editor else None, generator=gens, guidance_scale=self.g,
                              num_inference_steps=self.steps), {}
 
-GlmGRPO.rollout, GlmGRPO._reference, GlmGRPO.loss, GlmGRPO.to = _rollout, _reference, _loss, _to
+def _autocast_rollout(self:GlmGRPO, seed:int) -> dict:
+    "`_rollout` under the autocast the loop's loss runs under (`GlmImage.autocast`, after `cast_frozen`): the starting log-probabilities are the loss's own, so the first ratio is 1."
+    with self.glm.autocast(): return _rollout(self, seed)
+
+def _cast_frozen(self:GlmGRPO, dtype:torch.dtype) -> GlmGRPO:
+    "The pipeline's frozen weights (`GlmImage.cast_frozen`) and the KL references in `dtype`: the loop calls it under bf16 or fp16 mixed precision."
+    self.glm.cast_frozen(dtype)
+    for r in (self.ref_ar, self.ref_dit):
+        if r is not None: r.to(dtype)
+    return self
+
+GlmGRPO.rollout, GlmGRPO._reference, GlmGRPO.loss, GlmGRPO.to, GlmGRPO.cast_frozen = _autocast_rollout, _reference, _loss, _to, _cast_frozen
 GlmGRPO._validation_rollout = _validation_rollout
 GlmGRPO.batch_size = lambda self, batch: len(batch['caption'])
 GlmGRPO.save_pretrained = lambda self, path: self.glm.save_pretrained(path)

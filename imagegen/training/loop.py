@@ -31,8 +31,8 @@ from .tracking import check_tracker, flat_params, run_info, scalars
 # %% auto #0
 __all__ = ['MIXED_PRECISION', 'TRACKERS', 'COMPILE_MODES', 'TRAIN_FLAGS', 'TRACKER_FILE', 'BEST_MODEL', 'INITIAL_MODEL',
            'TrainConfig', 'TrainTask', 'batch_size_of', 'derived_seed', 'seed_all', 'param_groups', 'make_optimizer',
-           'make_accelerator', 'deepspeed_setup', 'deepspeed_zero_stage', 'shards_weights', 'base_optimizer',
-           'fsdp_requested', 'fsdp_on_cpu_ranks', 'fsdp_wrap_policy', 'TaskStream', 'Trainer',
+           'make_accelerator', 'deepspeed_setup', 'deepspeed_zero_stage', 'frozen_dtype', 'shards_weights',
+           'base_optimizer', 'fsdp_requested', 'fsdp_on_cpu_ranks', 'fsdp_wrap_policy', 'TaskStream', 'Trainer',
            'check_compiled_gradients', 'mlflow_uri', 'NonFiniteLossError', 'train', 'OutOfMemory']
 
 # %% ../../nbs/02c_loop.ipynb #beaf4262
@@ -273,6 +273,13 @@ def deepspeed_zero_stage(acc:Accelerator) -> int:
     "The ZeRO stage of a DeepSpeed run (0 without DeepSpeed)."
     return int(acc.state.deepspeed_plugin.zero_stage) if acc.distributed_type == DistributedType.DEEPSPEED else 0
 
+def frozen_dtype(acc:Accelerator) -> torch.dtype|None:
+    """The dtype frozen weights are kept in (`cast_frozen` of the task protocol; diffusers' `weight_dtype`): bf16 or fp16 under
+    that mixed precision, where autocast computes in it anyway; None in float32 and under DeepSpeed, whose autocast
+    covers only the trained model, so the frozen parts run in float32 there."""
+    if acc.distributed_type == DistributedType.DEEPSPEED: return None
+    return {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(acc.mixed_precision)
+
 def shards_weights(acc:Accelerator) -> bool:
     "Whether no rank holds the whole model between forwards (FSDP2, DeepSpeed ZeRO-3): gathering it is collective, so every rank takes part in sampling and saving."
     return acc.distributed_type == DistributedType.FSDP or deepspeed_zero_stage(acc) == 3
@@ -360,6 +367,9 @@ class Trainer:
 @patch
 def _setup(self:Trainer, dataloader):
     cfg, acc, model = self.cfg, self.acc, self.task.trainable
+    # under bf16/fp16 autocast the frozen parts compute in that dtype anyway: a task that can (`cast_frozen`) keeps them in it,
+    # as diffusers' scripts keep theirs in `weight_dtype` (GLM-Image's 17.7B frozen under LoRA: 33 GiB, not 66)
+    if (half := frozen_dtype(acc)) is not None and callable(getattr(self.task, 'cast_frozen', None)): self.task.cast_frozen(half)
     # `acc.prepare` moves only `trainable`: the task's frozen parts (autoencoder, text encoder) go to the device with it
     if callable(getattr(self.task, 'to', None)): self.task.to(acc.device)
     model.to(acc.device)   # before the optimizer: `fused_adamw=None` picks the fused kernel by where the weights are
