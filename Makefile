@@ -4,6 +4,7 @@
 #   make nbtest   the notebooks alone (NB_FLAGS="slow cuda" adds the flagged cells; NB_FLAGS=main, after the main jobs, the
 #                 cells that picture their models at the end of every model chapter)
 #   make export   notebooks -> imagegen/ + scripts/ (nbdev_clean, nbdev_export, script export, stale removal)
+#   make gpu-check on a GPU node: the #| cuda cells and the GPU benchmarks (GLM-Image's steps at the release's size, sharding)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,7 @@ ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
 export ACCELERATE_USE_CPU := 1
 endif
 
-.PHONY: install export check test nbtest main diagnose sysdeps
+.PHONY: install export check test nbtest main diagnose sysdeps gpu-check
 install: $(VENV)/.installed
 # the first Python 3.10+ that runs: python3, else python3.13 ... python3.10 (override: make PYTHON=/path/to/python3)
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11 python3.10; do \
@@ -212,6 +213,20 @@ main: check
 	$(if $(filter mixed,$(LEVEL)),$(LEVEL2))
 	@echo "grid: $(SAMPLES)/grid.png  metrics: $(SAMPLES)/metrics.json  tensorboard: $(BIN)/tensorboard --logdir $(MAIN)"
 	$(if $(filter mixed,$(LEVEL)),@echo "two objects: $(SAMPLES)-level2/grid.png  metrics: $(SAMPLES)-level2/metrics.json")
+
+# The GPU checks, on a GPU node (sbatch --gpus 1 --wrap 'make gpu-check'): the notebooks' `#| cuda` cells, GLM-Image at
+# the release's size with random weights (a supervised and a GRPO step of each stage, LoRA, gradient checkpointing, bf16:
+# time, peak memory, rollouts/s), and the shared loop under DDP, FSDP2 and ZeRO-2/3 on the node's GPUs (memory per rank,
+# images/s). Tables also in GPU_OUT, each headed by the card's name.
+GPU_OUT ?= runs/gpu-check
+CUDA_NBS := $(shell grep -l '^    "\#| cuda' nbs/*.ipynb nbs/scripts/*.ipynb 2>/dev/null)
+gpu-check: install
+	@command -v nvidia-smi >/dev/null || { echo "make gpu-check: no nvidia-smi on this machine: run it on a GPU node (sbatch --gpus 1 --wrap 'make gpu-check')"; exit 2; }
+	mkdir -p $(GPU_OUT) && nvidia-smi -L | tee $(GPU_OUT)/gpus.txt
+	for nb in $(CUDA_NBS); do OMP_NUM_THREADS=1 $(BIN)/nbdev_test --flags cuda --path $$nb || exit 1; done
+	set -o pipefail; $(PY) scripts/bench_glm_step.py --kinds sft,grpo | tee $(GPU_OUT)/glm_step.md
+	set -o pipefail; $(PY) scripts/bench_scaling.py --num_processes $$(nvidia-smi -L | wc -l) --sharding ddp,fsdp2,zero2,zero3 \
+	  --mixed_precision bf16 | tee $(GPU_OUT)/scaling.md
 
 # the distributed check alone (2 CPU ranks here, every GPU on a GPU node)
 diagnose: install

@@ -54,9 +54,10 @@ def train_grpo(tcfg:TrainConfig, cfg:GRPORunConfig, gcfg:GRPOConfig) -> dict:
         raise ConfigError("--eval_steps and --num_validation_prompts go together: the evaluations score prompts held out of the training stream "
                           "(e.g. --eval_steps 25 --num_validation_prompts 64 --metric_for_best_model reward_mean).")
     acc = make_accelerator(tcfg)
-    task = cfg.build(gcfg)
+    half = frozen_dtype(acc)                 # bf16 or fp16 under that mixed precision (not DeepSpeed), else None
+    task = cfg.build(gcfg, torch_dtype=half)  # GLM-Image loads in it
     # frozen weights in the compute dtype before they move (the loop's own `cast_frozen`, done here because the task goes to the device now)
-    if (half := frozen_dtype(acc)) is not None and callable(getattr(task, 'cast_frozen', None)): task.cast_frozen(half)
+    if half is not None and callable(getattr(task, 'cast_frozen', None)): task.cast_frozen(half)
     task = task.to(acc.device)
     tcfg = dataclasses.replace(tcfg, tags={'model': family_of(task.model).removesuffix('-edit'), **(tcfg.tags or {})})
     prompts, ctx = task.prompts(tcfg.n_samples, seed=GRID_SEED)

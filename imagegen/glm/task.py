@@ -169,18 +169,16 @@ class GlmImage:
             dit.train()
         self.trainable = GlmStages(self)
         self.compute_dtype = None                   # `cast_frozen`'s: the frozen weights' dtype, which sampling autocasts to
-        with torch.no_grad():                       # trained weights in float32 (a release loaded in bf16, or peft's adapters on bf16 layers): diffusers' `cast_training_params`
-            for p in self.trainable.parameters():
-                if p.requires_grad and p.dtype != torch.float32: p.data = p.data.float()
 
     def cast_frozen(self, dtype:torch.dtype) -> 'GlmImage':
-        """Every frozen weight of the pipeline in `dtype` (the loop's compute dtype under bf16 or fp16 mixed precision), the
-        trained ones left in float32: diffusers' training scripts' `weight_dtype`. Under LoRA the release's 17.7B frozen weights
-        are 33 GiB in bf16 where float32 would take 66. Sampling then runs under autocast to `dtype` (`autocast`)."""
+        """Every frozen weight of the pipeline in `dtype` (the loop's compute dtype under bf16 or fp16 mixed precision) and the
+        trained ones in float32 (a model loaded in bf16: diffusers' `cast_training_params`): diffusers' training scripts'
+        `weight_dtype`. Under LoRA the release's 17.7B frozen weights are 33 GiB in bf16 where float32 would take 66. Sampling
+        then runs under autocast to `dtype` (`autocast`)."""
         with torch.no_grad():
             for m in (self.pipe.vision_language_encoder, self.pipe.transformer, self.pipe.text_encoder, self.pipe.vae):
                 for p in m.parameters():
-                    if not p.requires_grad and p.is_floating_point(): p.data = p.data.to(dtype)
+                    if p.is_floating_point(): p.data = p.data.to(torch.float32 if p.requires_grad else dtype)
         self.compute_dtype = dtype
         return self
 
@@ -493,12 +491,12 @@ def load_glm_pipeline(path:str|Path, revision:str|None=None, cache_dir:str|None=
     return fix_image_to_image(pipe)
 
 @patch(cls_method=True)
-def from_pretrained(cls:GlmImage, path:str|Path, cache_dir:str|None=None, revision:str|None=None) -> GlmImage:
-    "A folder this task saved, or any GLM-Image pipeline (folder or Hub id, e.g. 'zai-org/GLM-Image'): its adapters on, its record's settings."
+def from_pretrained(cls:GlmImage, path:str|Path, cache_dir:str|None=None, revision:str|None=None, torch_dtype:torch.dtype|None=None) -> GlmImage:
+    "A folder this task saved, or any GLM-Image pipeline (folder or Hub id, e.g. 'zai-org/GLM-Image'): its adapters on, its record's settings; `torch_dtype`: loaded in it."
     p = Path(path)
     meta = json.loads((p/GLM_FILE).read_text()) if (p/GLM_FILE).is_file() else {}
     cfg = GlmConfig.from_dict(meta['config'], source=str(p/GLM_FILE)) if meta.get('config') else GlmConfig(pretrained_model_name_or_path=str(path), revision=revision, cache_dir=cache_dir)
-    m = cls(load_glm_pipeline(path, revision, cache_dir), cfg, meta.get('sample_prompts'))
+    m = cls(load_glm_pipeline(path, revision, cache_dir, torch_dtype=torch_dtype), cfg, meta.get('sample_prompts'))
     m.sampling = sampling_settings(m.sampling, **meta.get('sampling', {}))
     return m
 
@@ -506,7 +504,7 @@ def from_pretrained(cls:GlmImage, path:str|Path, cache_dir:str|None=None, revisi
 def from_config(cls:GlmImage, cfg:GlmConfig, seed:int=0, sample_prompts:list[str]|None=None, sample_sources:list|None=None,
                 torch_dtype:torch.dtype|None=None) -> GlmImage:
     """The task a run of `cfg` trains: the model it names (a LoRA folder's adapters merged into its base; `torch_dtype`: loaded in
-    it, the trained weights then made float32), or a `cfg.size` GLM-Image built from nothing with `seed` (in float32)."""
+    it, the trained weights made float32 by `cast_frozen`), or a `cfg.size` GLM-Image built from nothing with `seed` (in float32)."""
     p = cfg.pretrained_model_name_or_path
     pipe = load_glm_pipeline(p, cfg.revision, cfg.cache_dir, merge=True, torch_dtype=torch_dtype) if p else build_glm_image(cfg.size, seed=seed)
     return cls(pipe, cfg, sample_prompts, sample_sources)
