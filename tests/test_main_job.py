@@ -67,3 +67,13 @@ def test_main_job_glm_tiny(tmp_path):
     from diffusers import GlmImagePipeline
     assert GlmImagePipeline.from_pretrained(out/'glm'/'model').vae.config.latents_std != [1.0] * 4   # the trained VAE, with its statistics
     assert 'adherence (colour and shape right):' in p.stdout
+
+
+def test_gpu_check_without_a_gpu_says_where_to_run_it(tmp_path):
+    "make gpu-check on a machine without nvidia-smi: one line saying to run it on a GPU node, exit 2, nothing run or written; with one, its recipe names the notebooks that hold #| cuda cells."
+    if shutil.which('nvidia-smi'): pytest.skip("this machine has nvidia-smi: make gpu-check would run")
+    p = run(['make', '-s', 'gpu-check', f'GPU_OUT={tmp_path/"gpu"}'], check=False)
+    assert p.returncode == 2 and 'run it on a GPU node' in p.stdout, (p.returncode, p.stdout[-1500:], p.stderr[-1500:])
+    assert not (tmp_path/'gpu').exists()
+    recipe = run(['make', '-n', 'gpu-check']).stdout
+    assert 'nbs/02c_loop.ipynb' in recipe and 'nbs/scripts/45_bench_glm_step.ipynb' in recipe and 'bench_glm_step.py' in recipe
