@@ -164,18 +164,22 @@ def glm_scheduler(shift:float|None=None) -> FlowMatchEulerDiscreteScheduler:
 
 GLM_AR_SAMPLING = dict(do_sample=True, temperature=0.9, top_p=0.75)   # the release README's sampling of the generator
 
-def build_glm_image(cfg:GlmBuildConfig|str='tiny', seed:int=0) -> GlmImagePipeline:
-    "A randomly initialised GLM-Image of `cfg`'s size as diffusers' `GlmImagePipeline`: the release's classes, our tokenizer and chat template."
+def build_glm_image(cfg:GlmBuildConfig|str='tiny', seed:int=0, dtype:torch.dtype|None=None) -> GlmImagePipeline:
+    """A randomly initialised GLM-Image of `cfg`'s size as diffusers' `GlmImagePipeline`: the release's classes, our tokenizer and
+    chat template. `dtype`: each part cast to it as soon as it is built, so building peaks at the largest part in float32
+    (the release's generator, 40 GB) rather than the whole (71 GB): under `with torch.device('cuda')`, on one 80 GB GPU."""
     cfg = GlmBuildConfig.preset(cfg) if isinstance(cfg, str) else cfg
     torch.manual_seed(seed)
+    cast = (lambda m: m.to(dtype)) if dtype is not None else (lambda m: m)
     tok = glm_tokenizer(cfg.codebook_size)
     processor = GlmImageProcessor(image_processor=glm_image_processor(cfg), tokenizer=tok, chat_template=glm_chat_template(cfg.codebook_size))
-    ar = GlmImageForConditionalGeneration(glm_ar_config(cfg, tok)).eval()
+    ar = cast(GlmImageForConditionalGeneration(glm_ar_config(cfg, tok)).eval())
     ar.generation_config.update(**GLM_AR_SAMPLING)   # saved with it (generation_config.json): what the pipeline's `generate` call samples with
-    glyph = T5EncoderModel(glm_glyph_config(cfg)).eval()
+    glyph = cast(T5EncoderModel(glm_glyph_config(cfg)).eval())
+    vae = cast(AutoencoderKL(**glm_vae_config(cfg)).eval())
+    dit = cast(GlmImageTransformer2DModel(**glm_dit_config(cfg)).eval())
     return GlmImagePipeline(tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=glyph, vision_language_encoder=ar,
-                            vae=AutoencoderKL(**glm_vae_config(cfg)).eval(), transformer=GlmImageTransformer2DModel(**glm_dit_config(cfg)).eval(),
-                            scheduler=glm_scheduler(cfg.scheduler_shift))
+                            vae=vae, transformer=dit, scheduler=glm_scheduler(cfg.scheduler_shift))
 
 # %% ../../nbs/05f_glm.ipynb #5ef425bc
 def fix_image_to_image(pipe:GlmImagePipeline) -> GlmImagePipeline:
