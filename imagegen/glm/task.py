@@ -208,7 +208,7 @@ class GlmImage:
         cfg, tips = self.config, []
         if cfg.trains_ar and not cfg.ar_lora_rank: tips.append("--ar_lora_rank 64 (the generator's adapters only: no 9B of gradients and AdamW state)")
         if cfg.trains_dit and not cfg.dit_lora_rank: tips.append("--dit_lora_rank 64 (the DiT's adapters only)")
-        if cfg.train == 'both': tips.append("--train ar, then --train dit (one stage in memory for training at a time)")
+        if cfg.train == 'both': tips.append("--train ar, then --train dit (one stage's gradients and optimizer state at a time)")
         if cfg.resolution > 512: tips.append(f"--resolution {cfg.resolution // 2} (a quarter of the DiT's tokens and the generator's target grid)")
         return tips + ["more GPUs with sharding (FSDP, DeepSpeed ZeRO-3) for full fine-tuning"]
 
