@@ -219,7 +219,7 @@ main: check
 # time, peak memory, rollouts/s), and the shared loop under DDP, FSDP2 and ZeRO-2/3 on the node's GPUs (memory per rank,
 # images/s). Tables also in GPU_OUT, each headed by the card's name.
 GPU_OUT ?= runs/gpu-check
-CUDA_NBS := $(shell grep -l '^    "\#| cuda' nbs/*.ipynb nbs/scripts/*.ipynb 2>/dev/null)
+CUDA_NBS = $(shell grep -l '^    "\#| cuda' nbs/*.ipynb nbs/scripts/*.ipynb 2>/dev/null)
 gpu-check: install
 	@command -v nvidia-smi >/dev/null || { echo "make gpu-check: no nvidia-smi on this machine: run it on a GPU node (sbatch --gpus 1 --wrap 'make gpu-check')"; exit 2; }
 	mkdir -p $(GPU_OUT) && nvidia-smi -L | tee $(GPU_OUT)/gpus.txt

@@ -114,7 +114,9 @@ def main(preset:str='release', # GlmBuildConfig preset: 'release', 'shapes' or '
     dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     todo = [(k, s, lora_rank if m == 'lora' else 0, c == 'yes') for k in _split(kinds, {'sft', 'grpo'}, 'kinds') for s in _split(stages, {'ar', 'dit'}, 'stages')
             for m in _split(methods, {'lora', 'full'}, 'methods') for c in _split(checkpointing, {'yes', 'no'}, 'checkpointing')]
-    counted = {(r['stage'], r['method'], r['checkpointing']): r['total_gib'] for r in glm_memory_table(preset, resolution, resolution)} if lora_rank == 32 else {}
+    # the count's LoRA rows are rank 32: another rank is compared with its full rows only
+    counted = {(r['stage'], r['method'], r['checkpointing']): r['total_gib'] for r in glm_memory_table(preset, resolution, resolution)
+               if lora_rank == 32 or r['method'] == 'full'}
     name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'
     print(f"GLM-Image ({preset}, random weights) at {resolution}x{resolution}, bf16 mixed precision, AdamW, on {name}:", flush=True)
     rows = []

@@ -175,10 +175,12 @@ class GlmImage:
         trained ones in float32 (a model loaded in bf16: diffusers' `cast_training_params`): diffusers' training scripts'
         `weight_dtype`. Under LoRA the release's 17.7B frozen weights are 33 GiB in bf16 where float32 would take 66. Sampling
         then runs under autocast to `dtype` (`autocast`)."""
+        from diffusers.training_utils import cast_training_params
+        parts = [self.pipe.vision_language_encoder, self.pipe.transformer, self.pipe.text_encoder, self.pipe.vae]
         with torch.no_grad():
-            for m in (self.pipe.vision_language_encoder, self.pipe.transformer, self.pipe.text_encoder, self.pipe.vae):
-                for p in m.parameters():
-                    if p.is_floating_point(): p.data = p.data.to(torch.float32 if p.requires_grad else dtype)
+            for p in (p for m in parts for p in m.parameters()):
+                if not p.requires_grad and p.is_floating_point(): p.data = p.data.to(dtype)
+        cast_training_params(parts, dtype=torch.float32)
         self.compute_dtype = dtype
         return self
 
