@@ -97,7 +97,11 @@ def images_distributed(acc:Accelerator, generate, prompts:list[str], seeds:list[
     return [im for _, im in sorted(gather_object(local), key=lambda p: p[0])]
 
 def check_sample_flags(f:dict):
-    "Every number `main` takes, in range (`check_flag`): NaN, infinity, zero counts and probabilities above 1 are refused by name."
+    """Every number `main` takes, in range (`check_flag`): NaN, infinity, zero counts and probabilities above 1 are refused by name;
+    and a prompt file or source image that is not there, before the output folder is locked or a model is loaded."""
+    for name in ('prompt_file', 'source_image'):
+        for x in (f[name] or '').split('|') if name == 'source_image' else [f[name]]:
+            if x and x.strip() and not Path(x.strip()).exists(): raise FileNotFoundError(f"--{name} {x.strip()} does not exist.")
     for name, lo, hi, lo_open in (('n', 1, None, False), ('seed', 0, None, False), ('batch_size', 1, None, False), ('steps', 1, None, False),
                                   ('guidance', 0, None, False), ('eta', 0, 1, False), ('temperature', 0, None, True), ('top_k', 1, None, False),
                                   ('top_p', 0, 1, True), ('upsampler_steps', 1, None, False), ('upsampler_guidance', 0, None, False),

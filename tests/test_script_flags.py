@@ -70,6 +70,15 @@ def required_args(actions:list[dict], out) -> list[str]:
     return [x for a in actions if a['required'] and a['options'] for x in (typed(a), str(out))]
 
 
+OUTPUTS = re.compile(r'^(out|output|output_dir)$')
+
+
+def output_args(actions:list[dict], out, tested:str) -> list[str]:
+    "Each case's own output folder: a case that did write would write there, not into the default under runs/ that a user's run or the other half of the table may hold (and lock)."
+    return [x for a in actions if a['options'] and a['nargs'] is None and not a['required'] and OUTPUTS.match(a['dest'].split('.')[-1])
+            and tested not in a['options'] for x in (typed(a), str(out))]
+
+
 PATH_HELP = re.compile(r'\b(file|folder|directory)\b', re.I)
 WRITES = re.compile(r'^(out|output|output_dir|json_out|work_dir|root|encoded_cache|logging_dir|cache_dir|tracking_uri)$')
 MISSING = './no_such_dir/nothing_here'
@@ -102,7 +111,8 @@ def table(tmp_path_factory):
                 key = (a['dest'], v) if a['type'] is None else (s, pre, a['dest'], v)
                 if key not in seen: seen.add(key); cases.append((s, pre, typed(a), a['dest'], v))
     out = tmp_path_factory.mktemp('bad')
-    calls = [(f'scripts/{s}', [*pre, f, v, *required_args(ps[s, pre], out/f'{i}')], ENV) for i, (s, pre, f, _, v) in enumerate(cases)]
+    calls = [(f'scripts/{s}', [*pre, f, v, *required_args(ps[s, pre], out/f'{i}'), *output_args(ps[s, pre], out/f'{i}', f)], ENV)
+             for i, (s, pre, f, _, v) in enumerate(cases)]
     # two interpreters side by side (one per core); each case is stopped after 20 s
     halves, results = [calls[0::2], calls[1::2]], [None, None]
     def go(i): results[i] = run_many(halves[i], timeout=1500, case_timeout=20)
