@@ -11,8 +11,21 @@ def _bench_training():
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
     return mod
 
-def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str):
-    "One process of a launch: train the benchmark UNet with the shared loop; rank 0 writes the loop's images/s (every rank's images) to `out`."
+UNETS = ('tiny', 'sd15')
+
+def bench_unet(name:str, resolution:int):
+    """`(unet, text tokens, text width)` of benchmark UNet `name`, random weights: 'tiny' (`bench_training.py`'s), or 'sd15':
+    Stable Diffusion 1.5's UNet shape (diffusers' `UNet2DConditionModel` defaults with 768-wide cross-attention, 860M
+    parameters, 77 text tokens), the trained part of the largest latent diffusion preset (`LDMConfig.preset('sd15')`)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    if name not in UNETS: raise ConfigError(f"--unet {name!r}: one of {', '.join(UNETS)}.")
+    if name == 'tiny': return _bench_training().tiny_unet(resolution), 8, 64
+    torch.manual_seed(0)
+    return UNet2DConditionModel(sample_size=resolution, cross_attention_dim=768), 77, 768
+
+def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str, unet:str='tiny'):
+    "One process of a launch: train the benchmark UNet with the shared loop; rank 0 writes the loop's images/s (every rank's images) and the fullest rank's memory to `out`."
     import torch
     from imagegen.training.checkpoints import local_part
     from imagegen.training.loop import TrainConfig, Trainer, base_optimizer, deepspeed_zero_stage, make_accelerator
@@ -24,9 +37,13 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
                           nan_max_consecutive=steps, nan_max_total=steps)
         acc = make_accelerator(cfg)   # the launch's ranks (a bare PartialState on CPU ranks can see one)
         n = acc.num_processes
-        task = bt.NoisePrediction(bt.tiny_unet(resolution))
-        trainer = Trainer(task, bt.bench_data(steps * batch_size * n, batch_size, resolution), cfg, accelerator=acc)
+        model, tokens, width = bench_unet(unet, resolution)
+        task = bt.NoisePrediction(model)
+        trainer = Trainer(task, bt.bench_data(steps * batch_size * n, batch_size, resolution, tokens=tokens, text_dim=width), cfg, accelerator=acc)
+        cuda = acc.device.type == 'cuda'
+        if cuda: torch.cuda.reset_peak_memory_stats(acc.device)
         res = trainer.fit()
+        peak = torch.cuda.max_memory_allocated(acc.device) if cuda else 0   # everything this rank allocated at once: weights, gradients, optimizer state, activations
     # what this rank holds after training: the weights (its slices under FSDP2 and ZeRO-3) and the optimizer's state,
     # read off the optimizer's own tensors (AdamW's two moments; under ZeRO also the float32 weights it steps, in slices)
     held = sum(local_part(p).numel() * p.element_size() for p in task.trainable.parameters())
@@ -38,13 +55,14 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
         masters = getattr(zero, 'single_partition_of_fp32_groups', None) or getattr(zero, 'fp32_partitioned_groups_flat', None) or []
         weights = {local_part(p).untyped_storage().data_ptr() for p in task.trainable.parameters()}
         state += sum(t.numel() * t.element_size() for t in masters if t.untyped_storage().data_ptr() not in weights)
-    held, state = acc.gather(torch.tensor([held, state], device=acc.device).view(1, 2)).max(0).values.tolist()   # the fullest rank
+    held, state, peak = acc.gather(torch.tensor([held, state, peak], device=acc.device).view(1, 3)).max(0).values.tolist()   # the fullest rank
     if acc.is_main_process:
         dev = torch.cuda.get_device_name(acc.device) if acc.device.type == 'cuda' else 'cpu'
         Path(out).write_text(json.dumps({'processes': n, 'images_per_s': res['images_per_s'], 'device': dev, 'bad_steps': res['bad_steps'],
                                          'sharding': 'fsdp2' if acc.distributed_type == 'FSDP' else f'zero{deepspeed_zero_stage(acc)}'
                                                      if acc.distributed_type == 'DEEPSPEED' else 'ddp' if n > 1 else '-',
-                                         'weights_mib_per_rank': held / 2**20, 'weights_mib': whole / 2**20, 'optimizer_mib_per_rank': state / 2**20}))
+                                         'weights_mib_per_rank': held / 2**20, 'weights_mib': whole / 2**20, 'optimizer_mib_per_rank': state / 2**20,
+                                         'peak_mib_per_rank': peak / 2**20 if cuda else None, 'unet': unet}))
 
 SHARDINGS = ('ddp', 'fsdp2', 'zero2', 'zero3')   # a replica per rank, or scripts/configs/accelerate/<name>.yaml
 
@@ -56,7 +74,7 @@ def launch_command(n:int, gpus:int, cores:int, args:list[str], sharding:str='ddp
     if gpus and n > gpus: raise ValueError(f"--num_processes {n}: this machine has {gpus} GPU(s); on GPUs each process needs its own.")
     if sharding not in SHARDINGS: raise ValueError(f"--sharding {sharding!r}: one of {', '.join(SHARDINGS)}.")
     config = Path(__file__).resolve().parent/'configs'/'accelerate'/f'{sharding}.yaml'   # what users launch with
-    how = ['--config_file', str(config)] if sharding != 'ddp' and n > 1 else ['--multi_gpu'] if n > 1 else []
+    how = ['--config_file', str(config)] if sharding != 'ddp' else ['--multi_gpu'] if n > 1 else []
     cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--num_processes', str(n), '--num_machines', '1', '--dynamo_backend', 'no',
            '--main_process_port', str(_port()), *how]
     env = dict(os.environ)
@@ -68,18 +86,19 @@ def launch_command(n:int, gpus:int, cores:int, args:list[str], sharding:str='ddp
     return cmd + [str(Path(__file__).resolve()), *args], env
 
 def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, resolution:int=32, mixed_precision:str='no',
-                  sharding:list[str]=('ddp',)) -> list[dict]:
+                  sharding:list[str]=('ddp',), unet:str='tiny') -> list[dict]:
     "Images/s of the shared loop with each process count of `num_processes`, each a whole `accelerate launch`. Scaling efficiency against the first count: on GPUs images/s over that count's scaled by the processes; on CPU ranks, which share the same cores, images/s over that count's."
     import torch
     if not num_processes or min(num_processes) < 1: raise ValueError(f"--num_processes {num_processes}: give counts >= 1, e.g. 1,2.")
     gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
     rows = []
-    runs = [(n, s) for n in num_processes for s in (sharding if n > 1 else sharding[:1])]   # one process shards nothing
+    # every count with every sharding: one process shards nothing, but on a one-GPU node it is how the sharded code runs
+    runs = [(n, s) for n in num_processes for s in sharding]
     for n, how in runs:
         with tempfile.TemporaryDirectory() as d:
             out = Path(d)/'result.json'
             cmd, env = launch_command(n, gpus, cores, ['--child', '--out', str(out), '--steps', str(steps), '--batch_size', str(batch_size),
-                                                      '--resolution', str(resolution), '--mixed_precision', mixed_precision], how)
+                                                      '--resolution', str(resolution), '--mixed_precision', mixed_precision, '--unet', unet], how)
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode or not out.exists():
                 tail = '\n'.join((p.stderr or p.stdout).strip().splitlines()[-15:])
@@ -93,11 +112,12 @@ def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, reso
 
 def table(rows:list[dict]) -> str:
     "A Markdown table of `bench_scaling` rows."
-    head = ("| processes | sharding | device | threads per process | images/s | per process | scaling efficiency | weights per rank (MiB) | optimizer state per rank (MiB) |"
-            "\n|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    head = ("| processes | sharding | device | threads per process | images/s | per process | scaling efficiency | weights per rank (MiB) | optimizer state per rank (MiB) | peak GPU memory per rank (MiB) |"
+            "\n|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    peak = lambda r: '' if r.get('peak_mib_per_rank') is None else f"{r['peak_mib_per_rank']:.0f}"
     return '\n'.join([head] + [f"| {r['processes']} | {r.get('sharding', '-')} | {r['device']} | {r['threads_per_process'] or ''} | {r['images_per_s']:.1f} | "
                                 f"{r['per_process']:.1f} | {r['efficiency']:.3f} | {r.get('weights_mib_per_rank', float('nan')):.2f} of {r.get('weights_mib', float('nan')):.2f} | "
-                                f"{r.get('optimizer_mib_per_rank', float('nan')):.2f} |"
+                                f"{r.get('optimizer_mib_per_rank', float('nan')):.2f} | {peak(r)} |"
                                 for r in rows])
 
 def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: at most the GPUs of the node)
@@ -106,17 +126,19 @@ def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: a
          resolution:int=32, # latent resolution of the benchmark UNet
          mixed_precision:str='no', # 'no' | 'fp16' | 'bf16'
          sharding:str='ddp', # comma-separated: ddp (a replica per process), fsdp2, zero2, zero3 (scripts/configs/accelerate/<name>.yaml)
+         unet:str='tiny', # the trained model: 'tiny' (bench_training.py's UNet) or 'sd15' (SD 1.5's UNet shape, 860M parameters, random weights)
          json_out:str=None, # also write the rows here
          child:bool=False, # internal: one process of a launch
          out:str=None, # internal: where the child writes its result
         ):
     "Print the shared training loop's images/s and scaling efficiency at each process count."
-    if child: return globals()['child'](out, steps, batch_size, resolution, mixed_precision)
+    if child: return globals()['child'](out, steps, batch_size, resolution, mixed_precision, unet)
+    if unet not in UNETS: raise ConfigError(f"--unet {unet!r}: one of {', '.join(UNETS)}.")
     counts = [int(x) for x in str(num_processes).split(',') if x.strip()]
     shards = [x.strip() for x in sharding.split(',') if x.strip()]
     if not shards or set(shards) - set(SHARDINGS): raise ConfigError(f"--sharding {sharding!r}: give one or more of {', '.join(SHARDINGS)}, e.g. ddp,fsdp2,zero2,zero3.")
-    rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision, shards)
-    print(f"steps {steps}, batch {batch_size} per process, {resolution} px latents, mixed precision {mixed_precision}\n" + table(rows))
+    rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision, shards, unet)
+    print(f"UNet {unet}, steps {steps}, batch {batch_size} per process, {resolution} px latents, mixed precision {mixed_precision}\n" + table(rows))
     if bad := [f"{r['processes']} process(es): {r['bad_steps']}" for r in rows if r.get('bad_steps')]:
         print("steps skipped for a non-finite loss or gradient (timed all the same): " + ', '.join(bad))
     if json_out: Path(json_out).write_text(json.dumps(rows, indent=1))
