@@ -217,7 +217,8 @@ main: check
 # The GPU checks, on a GPU node (sbatch --gpus 1 --wrap 'make gpu-check'): the notebooks' `#| cuda` cells, GLM-Image at
 # the release's size with random weights (a supervised and a GRPO step of each stage, LoRA, gradient checkpointing, bf16:
 # time, peak memory, rollouts/s), and the shared loop under DDP, FSDP2 and ZeRO-2/3 on the node's GPUs (memory per rank,
-# images/s), then on one GPU with SD 1.5's UNet (peak memory of each). Tables also in GPU_OUT; gpus.txt names the cards.
+# images/s), then each family's largest model on one GPU (SD 1.5's UNet, the xl latent GPT, GLIDE base: peak memory
+# under each). Tables also in GPU_OUT; gpus.txt names the cards.
 GPU_OUT ?= runs/gpu-check
 CUDA_NBS = $(shell grep -l '^    "\#| cuda' nbs/*.ipynb nbs/scripts/*.ipynb 2>/dev/null)
 gpu-check: install
@@ -227,8 +228,8 @@ gpu-check: install
 	set -o pipefail; $(PY) scripts/bench_glm_step.py --kinds sft,grpo | tee $(GPU_OUT)/glm_step.md
 	set -o pipefail; $(PY) scripts/bench_scaling.py --num_processes $$(nvidia-smi -L | wc -l) --sharding ddp,fsdp2,zero2,zero3 \
 	  --mixed_precision bf16 | tee $(GPU_OUT)/scaling.md
-	set -o pipefail; $(PY) scripts/bench_scaling.py --num_processes 1 --unet sd15 --resolution 64 --batch_size 8 --steps 10 \
-	  --sharding ddp,fsdp2,zero2,zero3 --mixed_precision bf16 | tee $(GPU_OUT)/scaling_sd15.md
+	set -o pipefail; for m in sd15 gpt_xl glide_base; do $(PY) scripts/bench_scaling.py --num_processes 1 --model $$m --resolution 64 \
+	  --batch_size 8 --steps 10 --sharding ddp,fsdp2,zero2,zero3 --mixed_precision bf16 | tee $(GPU_OUT)/scaling_$$m.md || exit 1; done
 
 # the distributed check alone (2 CPU ranks here, every GPU on a GPU node)
 diagnose: install

@@ -3,6 +3,7 @@
 from __future__ import annotations
 import importlib.util, json, os, socket, subprocess, sys, tempfile
 from pathlib import Path
+import torch
 from imagegen.config import ConfigError, run_script
 
 def _bench_training():
@@ -11,20 +12,52 @@ def _bench_training():
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
     return mod
 
-UNETS = ('tiny', 'sd15')
+MODELS = ('tiny', 'sd15', 'gpt_xl', 'glide_base')
 
-def bench_unet(name:str, resolution:int):
-    """`(unet, text tokens, text width)` of benchmark UNet `name`, random weights: 'tiny' (`bench_training.py`'s), or 'sd15':
-    Stable Diffusion 1.5's UNet shape (diffusers' `UNet2DConditionModel` defaults with 768-wide cross-attention, 860M
-    parameters, 77 text tokens), the trained part of the largest latent diffusion preset (`LDMConfig.preset('sd15')`)."""
-    import torch
-    from diffusers import UNet2DConditionModel
-    if name not in UNETS: raise ConfigError(f"--unet {name!r}: one of {', '.join(UNETS)}.")
-    if name == 'tiny': return _bench_training().tiny_unet(resolution), 8, 64
+class TokenPrediction:
+    "Training task: a LatentGPT's next-token loss on token grids, cross-attending to text states (its text encoder is frozen: not in the step)."
+    def __init__(self, model): self.trainable = model
+    def loss(self, model, batch):
+        tokens, text = batch
+        return model(input_ids=tokens, encoder_hidden_states=text, labels=tokens).loss
+
+class _Captioned(torch.utils.data.Dataset):
+    "Random images in [-1, 1] with Shapes-style captions, as the GLIDE task's batches hold them."
+    def __init__(self, n:int, resolution:int, captions:list[str]):
+        self.x, self.captions = torch.rand(n, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)) * 2 - 1, captions
+    def __len__(self): return len(self.x)
+    def __getitem__(self, i): return {'pixel_values': self.x[i], 'caption': self.captions[i % len(self.captions)]}
+
+def bench_model(name:str, resolution:int, n:int, batch_size:int):
+    """`(task, loader)` of benchmark model `name` with random weights, on `n` random samples:
+    'tiny': `bench_training.py`'s small UNet, noise prediction on `resolution` px latents;
+    'sd15': Stable Diffusion 1.5's UNet shape (diffusers' `UNet2DConditionModel` defaults with 768-wide cross-attention,
+    860M parameters), the trained part of the largest latent diffusion preset (`LDMConfig.preset('sd15')`), on `resolution`
+    px latents and 77 text states; 'gpt_xl': the largest latent GPT (`LatentGPTConfig.from_preset('xl')`, 988M), its
+    next-token loss on 16x16 token grids and 77 text states; 'glide_base': GLIDE's base model (`GlideConfig.preset('base')`:
+    its UNet and text transformer, both trained; 360M, the tiny tokenizer's 1,000 tokens standing in for GPT-2's 50,257),
+    its own loss on 64 px images."""
+    from torch.utils.data import DataLoader, TensorDataset
+    if name not in MODELS: raise ConfigError(f"--model {name!r}: one of {', '.join(MODELS)}.")
+    bt = _bench_training()
     torch.manual_seed(0)
-    return UNet2DConditionModel(sample_size=resolution, cross_attention_dim=768), 77, 768
+    if name in ('tiny', 'sd15'):
+        from diffusers import UNet2DConditionModel
+        unet, tokens, width = (bt.tiny_unet(resolution), 8, 64) if name == 'tiny' else (UNet2DConditionModel(sample_size=resolution, cross_attention_dim=768), 77, 768)
+        return bt.NoisePrediction(unet), bt.bench_data(n, batch_size, resolution, tokens=tokens, text_dim=width)
+    if name == 'gpt_xl':
+        from imagegen.ar.model import LatentGPT, LatentGPTConfig
+        gpt = LatentGPT(LatentGPTConfig.from_preset('xl'))
+        c, g = gpt.config, torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randint(0, c.vocab_size, (n, *c.token_grid), generator=g), torch.randn(n, c.text_len, c.text_dim, generator=g))
+        return TokenPrediction(gpt), DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
+    from imagegen.diffusion.glide import GlideConfig, GlideDiffusion
+    from imagegen.shapes import COLORS, SHAPES
+    captions = [f'a {c} {s}' for c in COLORS for s in SHAPES]
+    cfg = GlideConfig.preset('base', tokenizer='tiny')
+    return GlideDiffusion.from_config(cfg, corpus=captions), DataLoader(_Captioned(n, cfg.resolution, captions), batch_size=batch_size, shuffle=True, drop_last=True)
 
-def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str, unet:str='tiny'):
+def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str, model:str='tiny'):
     "One process of a launch: train the benchmark UNet with the shared loop; rank 0 writes the loop's images/s (every rank's images) and the fullest rank's memory to `out`."
     import torch
     from imagegen.training.checkpoints import local_part
@@ -37,9 +70,8 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
                           nan_max_consecutive=steps, nan_max_total=steps)
         acc = make_accelerator(cfg)   # the launch's ranks (a bare PartialState on CPU ranks can see one)
         n = acc.num_processes
-        model, tokens, width = bench_unet(unet, resolution)
-        task = bt.NoisePrediction(model)
-        trainer = Trainer(task, bt.bench_data(steps * batch_size * n, batch_size, resolution, tokens=tokens, text_dim=width), cfg, accelerator=acc)
+        task, data = bench_model(model, resolution, steps * batch_size * n, batch_size)
+        trainer = Trainer(task, data, cfg, accelerator=acc)
         cuda = acc.device.type == 'cuda'
         if cuda: torch.cuda.reset_peak_memory_stats(acc.device)
         res = trainer.fit()
@@ -62,7 +94,7 @@ def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:st
                                          'sharding': 'fsdp2' if acc.distributed_type == 'FSDP' else f'zero{deepspeed_zero_stage(acc)}'
                                                      if acc.distributed_type == 'DEEPSPEED' else 'ddp' if n > 1 else '-',
                                          'weights_mib_per_rank': held / 2**20, 'weights_mib': whole / 2**20, 'optimizer_mib_per_rank': state / 2**20,
-                                         'peak_mib_per_rank': peak / 2**20 if cuda else None, 'unet': unet}))
+                                         'peak_mib_per_rank': peak / 2**20 if cuda else None, 'model': model}))
 
 SHARDINGS = ('ddp', 'fsdp2', 'zero2', 'zero3')   # a replica per rank, or scripts/configs/accelerate/<name>.yaml
 
@@ -86,7 +118,7 @@ def launch_command(n:int, gpus:int, cores:int, args:list[str], sharding:str='ddp
     return cmd + [str(Path(__file__).resolve()), *args], env
 
 def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, resolution:int=32, mixed_precision:str='no',
-                  sharding:list[str]=('ddp',), unet:str='tiny') -> list[dict]:
+                  sharding:list[str]=('ddp',), model:str='tiny') -> list[dict]:
     "Images/s of the shared loop with each process count of `num_processes`, each a whole `accelerate launch`. Scaling efficiency against the first count: on GPUs images/s over that count's scaled by the processes; on CPU ranks, which share the same cores, images/s over that count's."
     import torch
     if not num_processes or min(num_processes) < 1: raise ValueError(f"--num_processes {num_processes}: give counts >= 1, e.g. 1,2.")
@@ -98,7 +130,7 @@ def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, reso
         with tempfile.TemporaryDirectory() as d:
             out = Path(d)/'result.json'
             cmd, env = launch_command(n, gpus, cores, ['--child', '--out', str(out), '--steps', str(steps), '--batch_size', str(batch_size),
-                                                      '--resolution', str(resolution), '--mixed_precision', mixed_precision, '--unet', unet], how)
+                                                      '--resolution', str(resolution), '--mixed_precision', mixed_precision, '--model', model], how)
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode or not out.exists():
                 tail = '\n'.join((p.stderr or p.stdout).strip().splitlines()[-15:])
@@ -123,22 +155,23 @@ def table(rows:list[dict]) -> str:
 def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: at most the GPUs of the node)
          steps:int=40, # optimizer updates per run (the first 2 untimed)
          batch_size:int=16, # images per process and step
-         resolution:int=32, # latent resolution of the benchmark UNet
+         resolution:int=32, # latent resolution of the benchmark UNets (tiny, sd15); the GPT's token grid and GLIDE's 64 px images come from their presets
          mixed_precision:str='no', # 'no' | 'fp16' | 'bf16'
          sharding:str='ddp', # comma-separated: ddp (a replica per process), fsdp2, zero2, zero3 (scripts/configs/accelerate/<name>.yaml)
-         unet:str='tiny', # the trained model: 'tiny' (bench_training.py's UNet) or 'sd15' (SD 1.5's UNet shape, 860M parameters, random weights)
+         model:str='tiny', # the trained model, random weights: 'tiny' (bench_training.py's UNet), 'sd15' (SD 1.5's UNet shape, 860M), 'gpt_xl' (the largest latent GPT, 988M) or 'glide_base' (GLIDE's base model, 360M)
          json_out:str=None, # also write the rows here
          child:bool=False, # internal: one process of a launch
          out:str=None, # internal: where the child writes its result
         ):
     "Print the shared training loop's images/s and scaling efficiency at each process count."
-    if child: return globals()['child'](out, steps, batch_size, resolution, mixed_precision, unet)
-    if unet not in UNETS: raise ConfigError(f"--unet {unet!r}: one of {', '.join(UNETS)}.")
+    if child: return globals()['child'](out, steps, batch_size, resolution, mixed_precision, model)
+    if model not in MODELS: raise ConfigError(f"--model {model!r}: one of {', '.join(MODELS)}.")
     counts = [int(x) for x in str(num_processes).split(',') if x.strip()]
     shards = [x.strip() for x in sharding.split(',') if x.strip()]
     if not shards or set(shards) - set(SHARDINGS): raise ConfigError(f"--sharding {sharding!r}: give one or more of {', '.join(SHARDINGS)}, e.g. ddp,fsdp2,zero2,zero3.")
-    rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision, shards, unet)
-    print(f"UNet {unet}, steps {steps}, batch {batch_size} per process, {resolution} px latents, mixed precision {mixed_precision}\n" + table(rows))
+    rows = bench_scaling(counts, steps, batch_size, resolution, mixed_precision, shards, model)
+    what = {'gpt_xl': '16x16 token grids', 'glide_base': '64 px images'}.get(model, f'{resolution} px latents')
+    print(f"model {model}, steps {steps}, batch {batch_size} per process, {what}, mixed precision {mixed_precision}\n" + table(rows))
     if bad := [f"{r['processes']} process(es): {r['bad_steps']}" for r in rows if r.get('bad_steps')]:
         print("steps skipped for a non-finite loss or gradient (timed all the same): " + ', '.join(bad))
     if json_out: Path(json_out).write_text(json.dumps(rows, indent=1))
