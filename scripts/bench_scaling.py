@@ -58,7 +58,7 @@ def bench_model(name:str, resolution:int, n:int, batch_size:int):
     return GlideDiffusion.from_config(cfg, corpus=captions), DataLoader(_Captioned(n, cfg.resolution, captions), batch_size=batch_size, shuffle=True, drop_last=True)
 
 def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str, model:str='tiny'):
-    "One process of a launch: train the benchmark UNet with the shared loop; rank 0 writes the loop's images/s (every rank's images) and the fullest rank's memory to `out`."
+    "One process of a launch: train the benchmark model (`bench_model`) with the shared loop; rank 0 writes the loop's images/s (every rank's images) and the fullest rank's memory to `out`."
     import torch
     from imagegen.training.checkpoints import local_part
     from imagegen.training.loop import TrainConfig, Trainer, base_optimizer, deepspeed_zero_stage, make_accelerator
@@ -163,7 +163,7 @@ def main(num_processes:str='1,2', # process counts to run, e.g. 1,2,4,8 (GPUs: a
          child:bool=False, # internal: one process of a launch
          out:str=None, # internal: where the child writes its result
         ):
-    "Print the shared training loop's images/s and scaling efficiency at each process count."
+    "Print the shared training loop's images/s, scaling efficiency and memory per rank at each process count and sharding."
     if child: return globals()['child'](out, steps, batch_size, resolution, mixed_precision, model)
     if model not in MODELS: raise ConfigError(f"--model {model!r}: one of {', '.join(MODELS)}.")
     counts = [int(x) for x in str(num_processes).split(',') if x.strip()]
