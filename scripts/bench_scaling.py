@@ -41,10 +41,11 @@ def bench_model(name:str, resolution:int, n:int, batch_size:int):
     if name not in MODELS: raise ConfigError(f"--model {name!r}: one of {', '.join(MODELS)}.")
     bt = _bench_training()
     torch.manual_seed(0)
-    if name in ('tiny', 'sd15'):
+    if name == 'tiny': return bt.NoisePrediction(bt.tiny_unet(resolution)), bt.bench_data(n, batch_size, resolution)
+    if name == 'sd15':
         from diffusers import UNet2DConditionModel
-        unet, tokens, width = (bt.tiny_unet(resolution), 8, 64) if name == 'tiny' else (UNet2DConditionModel(sample_size=resolution, cross_attention_dim=768), 77, 768)
-        return bt.NoisePrediction(unet), bt.bench_data(n, batch_size, resolution, tokens=tokens, text_dim=width)
+        unet = UNet2DConditionModel(sample_size=resolution, cross_attention_dim=768)
+        return bt.NoisePrediction(unet), bt.bench_data(n, batch_size, resolution, tokens=77, text_dim=768)
     if name == 'gpt_xl':
         from imagegen.ar.model import LatentGPT, LatentGPTConfig
         gpt = LatentGPT(LatentGPTConfig.from_preset('xl'))
@@ -59,7 +60,6 @@ def bench_model(name:str, resolution:int, n:int, batch_size:int):
 
 def child(out:str, steps:int, batch_size:int, resolution:int, mixed_precision:str, model:str='tiny'):
     "One process of a launch: train the benchmark model (`bench_model`) with the shared loop; rank 0 writes the loop's images/s (every rank's images) and the fullest rank's memory to `out`."
-    import torch
     from imagegen.training.checkpoints import local_part
     from imagegen.training.loop import TrainConfig, Trainer, base_optimizer, deepspeed_zero_stage, make_accelerator
     bt = _bench_training()
@@ -120,7 +120,6 @@ def launch_command(n:int, gpus:int, cores:int, args:list[str], sharding:str='ddp
 def bench_scaling(num_processes:list[int], steps:int=40, batch_size:int=16, resolution:int=32, mixed_precision:str='no',
                   sharding:list[str]=('ddp',), model:str='tiny') -> list[dict]:
     "Images/s of the shared loop with each process count of `num_processes`, each a whole `accelerate launch`. Scaling efficiency against the first count: on GPUs images/s over that count's scaled by the processes; on CPU ranks, which share the same cores, images/s over that count's."
-    import torch
     if not num_processes or min(num_processes) < 1: raise ValueError(f"--num_processes {num_processes}: give counts >= 1, e.g. 1,2.")
     gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
     rows = []

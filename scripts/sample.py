@@ -99,9 +99,8 @@ def images_distributed(acc:Accelerator, generate, prompts:list[str], seeds:list[
 def check_sample_flags(f:dict):
     """Every number `main` takes, in range (`check_flag`): NaN, infinity, zero counts and probabilities above 1 are refused by name;
     and a prompt file or source image that is not there, before the output folder is locked or a model is loaded."""
-    for name in ('prompt_file', 'source_image'):
-        for x in (f[name] or '').split('|') if name == 'source_image' else [f[name]]:
-            if x and x.strip() and not Path(x.strip()).exists(): raise FileNotFoundError(f"--{name} {x.strip()} does not exist.")
+    for name, x in [('prompt_file', f['prompt_file'] or '')] + [('source_image', x) for x in (f['source_image'] or '').split('|')]:
+        if x.strip() and not Path(x.strip()).exists(): raise FileNotFoundError(f"--{name} {x.strip()} does not exist.")
     for name, lo, hi, lo_open in (('n', 1, None, False), ('seed', 0, None, False), ('batch_size', 1, None, False), ('steps', 1, None, False),
                                   ('guidance', 0, None, False), ('eta', 0, 1, False), ('temperature', 0, None, True), ('top_k', 1, None, False),
                                   ('top_p', 0, 1, True), ('upsampler_steps', 1, None, False), ('upsampler_guidance', 0, None, False),
@@ -162,8 +161,7 @@ def edit_inputs(m, source_image:str|None, prompts:str|None, prompt_file:str|None
         raise ConfigError("An editor needs source images: --source_image a.png[|b.png] with --prompts 'instruction[|...]', or --shapes_edit_split test.")
     ps, _ = prompt_list(prompts, prompt_file)
     srcs = []
-    for f in (x.strip() for x in source_image.split('|')):
-        if not Path(f).exists(): raise FileNotFoundError(f"--source_image {f} does not exist.")
+    for f in (x.strip() for x in source_image.split('|')):      # each one there (`check_sample_flags`)
         try: srcs.append(open_image(f)[0])
         except Exception as e: raise ConfigError(f"--source_image {f} cannot be read as an image ({e}).") from None
     if len(srcs) == 1: srcs = srcs * len(ps)
