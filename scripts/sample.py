@@ -16,7 +16,7 @@ from imagegen.grids import save_grid, to_pil
 from imagegen.diffusion.glide import clip_bound
 from imagegen.diffusion.sampling import SAMPLERS, make_scheduler, sample_distributed
 from imagegen.shapes import ShapesDataset, ShapesOracle, ShapesTextDataset, prompt as scene_prompt, text_prompt
-from imagegen.data import open_image
+from imagegen.data import looks_like_path, open_image
 from imagegen.edits import ShapesEdits
 
 def prompt_list(prompts:str|None=None, prompt_file:str|None=None, shapes_split:str|None=None, shapes_level:int=1,
@@ -98,9 +98,12 @@ def images_distributed(acc:Accelerator, generate, prompts:list[str], seeds:list[
 
 def check_sample_flags(f:dict):
     """Every number `main` takes, in range (`check_flag`): NaN, infinity, zero counts and probabilities above 1 are refused by name;
-    and a prompt file or source image that is not there, before the output folder is locked or a model is loaded."""
-    for name, x in [('prompt_file', f['prompt_file'] or '')] + [('source_image', x) for x in (f['source_image'] or '').split('|')]:
-        if x.strip() and not Path(x.strip()).exists(): raise FileNotFoundError(f"--{name} {x.strip()} does not exist.")
+    and a prompt file, source image or local CLIP folder that is not there, before the output folder is locked or a model is loaded
+    (a `--clip_model` that reads as a Hub id, `openai/clip-vit-base-patch32`, is left to `from_pretrained`)."""
+    clip = f['clip_model'] or ''
+    for name, x in [('prompt_file', f['prompt_file'] or '')] + [('source_image', x) for x in (f['source_image'] or '').split('|')] + \
+                   [('clip_model', clip if looks_like_path(clip) else '')]:
+        if x.strip() and not Path(x.strip()).expanduser().exists(): raise FileNotFoundError(f"--{name} {x.strip()} does not exist.")
     for name, lo, hi, lo_open in (('n', 1, None, False), ('seed', 0, None, False), ('batch_size', 1, None, False), ('steps', 1, None, False),
                                   ('guidance', 0, None, False), ('eta', 0, 1, False), ('temperature', 0, None, True), ('top_k', 1, None, False),
                                   ('top_p', 0, 1, True), ('upsampler_steps', 1, None, False), ('upsampler_guidance', 0, None, False),
