@@ -3,7 +3,8 @@
 - `writes`: every file it opened for writing, renamed or removed (paths outside OUT);
 - from the shared training loop, if the script trains: the batches it saw (`epoch`, `step`, sample `key`s, captions),
   the step it started at after resuming, its trainable parameters and EMA shadow at the start and end (its own slices
-  under FSDP2 and ZeRO-3; `param_numel` is the whole count), and, for a text
+  under FSDP2 and ZeRO-3; `param_numel` is the whole count), FSDP2's units (`fsdp_units`: the class of each module
+  `fully_shard` wrapped, the root first), each update's logged gradient norm (`grad_norms`), and, for a text
   model, the tokenizer vocabulary and text-encoder weights it trained with.
 Seen: Python `open`, renames, `shutil.rmtree`, `torch.save` and safetensors `save_file`; not seen: other native writers
 (tokenizers' tokenizer.json, TensorBoard event files: tests check those by name)."""
@@ -80,6 +81,8 @@ def _instrument_training():
                 REC.setdefault('compute_dtype', str(m.weight.dtype)); h.remove()
             h = first.register_forward_pre_hook(seen)
         if self.ema: REC['ema_start'] = _flat(self.ema.shadow_params)
+        from torch.distributed.fsdp import FSDPModule   # FSDP2's units: each module fully_shard wrapped (its class renamed FSDP<name>)
+        REC['fsdp_units'] = [type(m).__name__.removeprefix('FSDP') for m in model.modules() if isinstance(m, FSDPModule)]
         return _start_logging(self, resumed)
     def fit(self):
         try: return _fit(self)
@@ -90,7 +93,12 @@ def _instrument_training():
             if self.ema: REC['ema'] = _flat(self.ema.shadow_params)
             te = getattr(self.task, 'text_encoder', None)
             if te is not None: REC.update(vocab=te.tokenizer.get_vocab(), text_params=_flat(te.model.parameters()))
-    T.Trainer._loss, T.Trainer._resume, T.Trainer._start_logging, T.Trainer.fit = loss, resume, start_logging, fit
+    _update = T.Trainer._update
+    def update(self, *args, **kwargs):   # the gradient norm each update logged (clipping's norm: over every rank's slices)
+        logs = _update(self, *args, **kwargs)
+        REC.setdefault('grad_norms', []).append(logs['grad_norm'])
+        return logs
+    T.Trainer._loss, T.Trainer._resume, T.Trainer._start_logging, T.Trainer.fit, T.Trainer._update = loss, resume, start_logging, fit, update
 
 
 @atexit.register

@@ -7,7 +7,7 @@ import json, shutil, sys
 from pathlib import Path
 import pytest, torch
 from conftest import ROOT, launch, rank_records, run
-from test_fsdp import ARGS, FAMILIES, VQ, folder_tensors, gpt_grpo_matches_ddp, launch_config, max_diff, shapes, unet
+from test_fsdp import ARGS, FAMILIES, NAN_RUN, VQ, folder_tensors, gpt_grpo_matches_ddp, launch_config, max_diff, shapes, unet
 
 pytest.importorskip('deepspeed')
 
@@ -116,29 +116,6 @@ def test_deepspeed_checkpoint_elsewhere_is_refused_clearly(runs, shapes, tmp_pat
     with pytest.raises(CheckpointError, match='code planted in it would run'): check_checkpoint(res/'checkpoints'/'step_00000004')
     p = launch_zero(3, 'scripts/train_ldm.py', '--output_dir', res, '--dataset', shapes, *ARGS, '--max_steps', 6, check=False)
     assert p.returncode != 0 and 'code planted' in p.stderr and not (ROOT/'PWNED').exists() and not Path('PWNED').exists()
-
-
-NAN_RUN = '''
-"The regression task of tests/test_training.py with NaN gradients from its 4th batch on, 2 ranks under DeepSpeed; argv: OUT TESTS_DIR."
-import json, sys, warnings
-sys.path.insert(0, sys.argv[2])
-import torch
-from test_training import Regression, cfg, data
-from imagegen.training.loop import NonFiniteLossError, train
-class NaNGrad(Regression):   # a finite loss with NaN gradients (d sqrt(x)/dx at 0, times 0) for every weight, from batch `at` on
-    def __init__(self, at): super().__init__(); self.at, self.calls = at, 0
-    def loss(self, model, batch):
-        out = super().loss(model, batch)
-        self.calls += 1
-        if self.calls > self.at: out['loss'] = out['loss'] + 0 * torch.sqrt(0 * out['loss'])
-        return out
-task = NaNGrad(at=3)
-try: train(task, data(), cfg(sys.argv[1], max_grad_norm=None, nan_max_consecutive=2, checkpoint_every=1)); err = None
-except NonFiniteLossError as e: err = str(e)
-import torch.distributed as dist
-json.dump({'error': err, 'finite': all(bool(torch.isfinite(p).all()) for p in task.trainable.parameters())},
-          open(f"{sys.argv[1]}/nan_rank{dist.get_rank()}.json", 'w'))
-'''
 
 
 @pytest.mark.parametrize('stage', [2, 3])

@@ -48,6 +48,31 @@ def two_stage_grpo_under_fsdp_and_ddp(tmp_path, script:str, load, stages, tol:fl
         assert gap < tol, f"stage {i + 1}: FSDP2 ends {gap:.3g} away from DDP"
 
 
+NAN_RUN = '''
+"The regression task of tests/test_training.py with NaN gradients from its 4th batch on, on 2 ranks (FSDP2 or DeepSpeed); argv: OUT TESTS_DIR."
+import json, sys, warnings
+sys.path.insert(0, sys.argv[2])
+import torch
+from test_training import Regression, cfg, data
+from imagegen.training.checkpoints import local_part
+from imagegen.training.loop import NonFiniteLossError, train
+class NaNGrad(Regression):   # a finite loss with NaN gradients (d sqrt(x)/dx at 0, times 0) for every weight, from batch `at` on
+    def __init__(self, at): super().__init__(); self.at, self.calls = at, 0
+    def loss(self, model, batch):
+        out = super().loss(model, batch)
+        self.calls += 1
+        if self.calls > self.at: out['loss'] = out['loss'] + 0 * torch.sqrt(0 * out['loss'])
+        return out
+task = NaNGrad(at=3)
+try: train(task, data(), cfg(sys.argv[1], max_grad_norm=None, nan_max_consecutive=2, checkpoint_every=1)); err = None
+except NonFiniteLossError as e: err = str(e)
+import torch.distributed as dist
+ps = list(task.trainable.parameters())
+json.dump({'error': err, 'finite': all(bool(torch.isfinite(local_part(p)).all()) for p in ps), 'sharded': any(local_part(p) is not p for p in ps)},
+          open(f"{sys.argv[1]}/nan_rank{dist.get_rank()}.json", 'w'))
+'''
+
+
 @pytest.fixture(scope='module')
 def shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp('shapes')
@@ -88,6 +113,45 @@ def test_fsdp_trains_like_ddp(runs):
     ema = [load_file(str(d/r/'checkpoints'/'step_00000004'/'ema.safetensors')) for r in ('ddp', 'fsdp')]
     assert max_diff(*ema) < 1e-4
     assert (d/'fsdp'/'checkpoints'/'step_00000004'/'pytorch_model_fsdp_0'/'.metadata').is_file()   # a sharded checkpoint
+
+
+def test_fsdp_units_are_the_unet_blocks(runs):
+    """accelerate's FSDP2 wraps what `fsdp_wrap_policy` names: each of the UNet's own block classes (its
+    `_no_split_modules` found in it) becomes a unit, the UNet the root unit around them, and accelerate gives the final
+    norm (`conv_norm_out`, a GroupNorm) a unit of its own. A policy left unset would wrap the root and that norm alone:
+    the other tests here still pass then (each rank still holds half of each tensor), this one not."""
+    from diffusers import UNet2DConditionModel
+    d, ddp, fsdp = runs
+    u = UNet2DConditionModel.from_pretrained(d/'ddp'/'model'/'unet')
+    blocks = [type(m).__name__ for m in u.modules() if type(m).__name__ in u._no_split_modules]
+    assert len(blocks) >= 4, blocks
+    for r in (0, 1):
+        units = fsdp[r]['fsdp_units']
+        tail = [u for u in units[1:] if u not in blocks]
+        assert units[0] == 'UNet2DConditionModel' and tail == ['GroupNorm'], units
+        assert sorted(u for u in units[1:] if u in blocks) == sorted(blocks), (units, blocks)
+    assert ddp[0]['fsdp_units'] == []
+
+
+def test_fsdp_clips_by_the_norm_over_every_shard(runs):
+    """Clipping (`max_grad_norm` 1.0, the default, is below these first norms, so every update here is clipped) uses
+    the gradient norm over all ranks' slices: DDP's norm of the whole gradient, step by step. Clipping each rank's
+    slices by their own norm logs 0.71 of it here (about 1/sqrt(2), measured with that mistake made on purpose), and
+    the losses then leave DDP's from the second step."""
+    _, ddp, fsdp = runs
+    assert min(ddp[0]['grad_norms']) > 1.0, ddp[0]['grad_norms']
+    for r in (0, 1): assert fsdp[r]['grad_norms'] == pytest.approx(ddp[r]['grad_norms'], rel=1e-4), (fsdp[r]['grad_norms'], ddp[r]['grad_norms'])
+
+
+def test_fsdp_nan_gradients_never_reach_the_weights(tmp_path):
+    """The NaN guard on sharded gradients: the norm over every rank's slices is not finite, so each rank skips the same
+    updates, the loop stops after nan_max_consecutive with its error on both ranks, and no slice of the weights holds a NaN."""
+    (tmp_path/'nan.py').write_text(NAN_RUN)
+    (tmp_path/'run').mkdir()
+    launch_fsdp(tmp_path/'nan.py', tmp_path/'run', ROOT/'tests')
+    for r in (0, 1):
+        got = json.loads((tmp_path/'run'/f'nan_rank{r}.json').read_text())
+        assert got['sharded'] and got['finite'] and 'nan_max_consecutive=2' in (got['error'] or ''), got
 
 
 def test_fsdp_validation_grids_every_rank_samples_one_writes(runs):

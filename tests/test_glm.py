@@ -40,6 +40,9 @@ def test_lora_and_full_stages_under_fsdp_match_ddp(glm2, tmp_path):
     launch_fsdp('scripts/train_glm_image.py', '--output_dir', tmp_path/'run', *TINY, '--max_steps', 4, '--checkpoint_every', 2,
                 '--train', 'both', '--dit_lora_rank', 4, '--use_ema', probe=tmp_path/'probe')
     fsdp = rank_records(tmp_path/'probe', 2)
+    # the trained stages' own blocks are FSDP units (`fsdp_wrap_policy` reads the parts' _no_split_modules: the task's
+    # wrapper around the two stages declares none, and accelerate's default would leave the root as the only unit)
+    assert {'GlmImageTransformerBlock', 'GlmImageTextDecoderLayer'} <= set(fsdp[0]['fsdp_units']), fsdp[0]['fsdp_units']
     assert fsdp[0]['losses'] == pytest.approx(ddp[0]['losses'], rel=1e-5, abs=1e-6), (fsdp[0]['losses'], ddp[0]['losses'])
     a, b = folder_tensors(d/'run'/'model'), folder_tensors(tmp_path/'run'/'model')
     assert a.keys() == b.keys() and any('transformer_lora' in k for k in a), sorted(a)[:5]
