@@ -23,6 +23,8 @@ def test_two_ranks_stay_identical(glm2):
     d, (r0, r1) = glm2
     assert (r0['world_size'], r1['world_size'], r0['end_step']) == (2, 2, 4)
     assert not torch.equal(r0['params_start'], r0['params']), "training did not change the model"
+    seen = [[c for b in r['batches'] for c in b['captions']] for r in (r0, r1)]
+    assert seen[0] and seen[1] and seen[0] != seen[1], seen   # each rank its own share of the data: equal weights come from the gradients' all-reduce
     torch.testing.assert_close(r0['params'], r1['params'], rtol=0, atol=0)
     torch.testing.assert_close(r0['ema'], r1['ema'], rtol=0, atol=0)
     assert len(r0['ema']) < len(r0['params'])       # the EMA holds the trained weights only, not the DiT's frozen base under LoRA

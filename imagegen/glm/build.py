@@ -15,7 +15,7 @@ from ..config import Config, ConfigError
 # %% auto #0
 __all__ = ['GLM_SPECIAL', 'GLM_AR_SAMPLING', 'visual_token', 'glm_tokenizer', 'glm_chat_template', 'GlmBuildConfig',
            'glm_image_processor', 'glm_ar_config', 'glm_dit_config', 'glm_glyph_config', 'glm_vae_config',
-           'glm_scheduler', 'build_glm_image', 'fix_image_to_image', 'glm_parameter_counts']
+           'glm_scheduler', 'build_glm_image', 'fix_image_to_image', 'glm_parameter_counts', 'glm_build_config_of']
 
 # %% ../../nbs/05f_glm.ipynb #38158960
 def visual_token(i:int) -> str:
@@ -124,8 +124,9 @@ def glm_ar_config(cfg:GlmBuildConfig, tokenizer=None) -> GlmImageConfig:
     "The transformers `GlmImageConfig` of the autoregressive generator for `cfg` (its vocabulary from `tokenizer` unless `cfg.ar_vocab_size` is set)."
     K = cfg.codebook_size
     vocab = cfg.ar_vocab_size or len(tokenizer)
-    image_token = tokenizer.convert_tokens_to_ids(GLM_SPECIAL['image']) if tokenizer is not None else 167855
-    pad = tokenizer.pad_token_id if tokenizer is not None else 167841
+    # without a tokenizer (counting on the meta device), the release's ids, or the last token where the vocabulary is smaller
+    image_token = tokenizer.convert_tokens_to_ids(GLM_SPECIAL['image']) if tokenizer is not None else min(167855, vocab - 1)
+    pad = tokenizer.pad_token_id if tokenizer is not None else min(167841, vocab - 1)
     text = dict(vocab_size=vocab, hidden_size=cfg.ar_hidden, intermediate_size=cfg.ar_intermediate, num_hidden_layers=cfg.ar_layers,
                 num_attention_heads=cfg.ar_heads, num_key_value_heads=cfg.ar_kv_heads, attention_bias=True,
                 vision_vocab_size=cfg.ar_image_vocab_size or K, pad_token_id=pad, eos_token_id=K + 1,
@@ -204,3 +205,23 @@ def glm_parameter_counts(cfg:GlmBuildConfig|str) -> dict[str, int]:
     m = ar.model
     return {'ar': n(ar), 'ar/language_model': n(m.language_model), 'ar/lm_head': n(ar.lm_head), 'ar/vision': n(m.visual), 'ar/vq': n(m.vqmodel),
             'dit': n(dit), 'dit/blocks': n(dit.transformer_blocks), 'glyph_encoder': n(glyph), 'vae': n(vae)}
+
+# %% ../../nbs/05f_glm.ipynb #5ae0e5bf
+def glm_build_config_of(pipe:GlmImagePipeline) -> GlmBuildConfig:
+    """The `GlmBuildConfig` a pipeline's parts have (read from their configs, not their weights): what `glm_parameter_counts`
+    and the memory table (`nbs/05h_glm_memory.ipynb`) count for a model loaded from a folder or the Hub, the release included."""
+    ar = pipe.vision_language_encoder.config
+    t, v, q = ar.text_config, ar.vision_config, ar.vq_config
+    g, vae, dit = pipe.text_encoder.config, pipe.vae.config, pipe.transformer.config
+    size = dict(getattr(getattr(pipe.processor, 'image_processor', None), 'size', None) or {})
+    sch = pipe.scheduler.config
+    shift = sch.get('base_shift') if sch.get('use_dynamic_shifting') and sch.get('max_shift') == 0 else None   # `glm_scheduler(shift)`'s one shift
+    return GlmBuildConfig(codebook_size=q.num_embeddings, ar_hidden=t.hidden_size, ar_layers=t.num_hidden_layers, ar_heads=t.num_attention_heads,
+                          ar_kv_heads=t.num_key_value_heads, ar_intermediate=t.intermediate_size, ar_vocab_size=t.vocab_size,
+                          ar_image_vocab_size=t.vision_vocab_size, vision_hidden=v.hidden_size, vision_layers=v.depth, vision_heads=v.num_heads,
+                          vision_intermediate=v.intermediate_size, vq_dim=q.embed_dim, glyph_width=g.d_model, glyph_layers=g.num_layers,
+                          glyph_heads=g.num_heads, glyph_head_dim=g.d_kv, glyph_intermediate=g.d_ff, vae_channels=tuple(vae.block_out_channels),
+                          vae_layers_per_block=vae.layers_per_block, vae_latent_channels=vae.latent_channels, dit_layers=dit.num_layers,
+                          dit_heads=dit.num_attention_heads, dit_head_dim=dit.attention_head_dim, dit_time_embed_dim=dit.time_embed_dim,
+                          dit_condition_dim=dit.condition_dim, min_pixels=size.get('shortest_edge', GlmBuildConfig.min_pixels),
+                          max_pixels=size.get('longest_edge', GlmBuildConfig.max_pixels), scheduler_shift=shift)

@@ -12,7 +12,8 @@ from transformers import GlmImageForConditionalGeneration, T5EncoderModel
 from .build import GlmBuildConfig, glm_ar_config, glm_dit_config, glm_glyph_config, glm_tokenizer, glm_vae_config
 
 # %% auto #0
-__all__ = ['AR_LORA_TARGETS', 'DIT_LORA_TARGETS', 'counting_attention_as_fused', 'saved_for_backward', 'glm_memory_table']
+__all__ = ['AR_LORA_TARGETS', 'DIT_LORA_TARGETS', 'counting_attention_as_fused', 'saved_for_backward', 'glm_memory_table',
+           'fitting_runs']
 
 # %% ../../nbs/05h_glm_memory.ipynb #0f74b627
 class _FusedAttention(torch.autograd.Function):
@@ -112,3 +113,22 @@ def glm_memory_table(cfg:GlmBuildConfig|str='release', height:int=1024, width:in
                 rows.append(dict(stage='+'.join(stages), method='LoRA r32' if lora else 'full', checkpointing=gc, trained=trained,
                                  states_gib=states / G, activations_gib=a / G, total_gib=(states + a) / G, fits=(states + a) / G < gpu_gib))
     return rows
+
+# %% ../../nbs/05h_glm_memory.ipynb #6a84813d
+_STAGE_FLAG = {'ar': 'ar', 'dit': 'dit', 'ar+dit': 'both'}
+_size = lambda gib: f"{gib:.1f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB" if gib * 1024 >= 0.1 else f"{gib * 2**20:.0f} KiB"
+
+def fitting_runs(rows:list[dict], gpu_gib:float, train:str|None=None, batch_size:int=1, n:int=3) -> list[str]:
+    """The rows of `glm_memory_table` that fit `gpu_gib` at `batch_size` samples per GPU (activations grow with the batch,
+    the rest does not), as `train_glm_image.py` flags with their counted total: stages `train` first ('ar', 'dit', 'both'),
+    then full before LoRA and no checkpointing before checkpointing; at most `n`. Where none fits, one line says so."""
+    total = lambda r: r['states_gib'] + r['activations_gib'] * batch_size
+    fit = sorted((r for r in rows if total(r) < gpu_gib),
+                 key=lambda r: (_STAGE_FLAG[r['stage']] != train, r['method'] != 'full', r['checkpointing'], total(r)))
+    def flags(r):
+        f = [f"--train {_STAGE_FLAG[r['stage']]}"] + ([f'--{s}_lora_rank 32' for s in r['stage'].split('+')] if r['method'] != 'full' else [])
+        return ' '.join(f + (['--gradient_checkpointing'] if r['checkpointing'] else [])) + f" ({_size(total(r))} counted of {_size(gpu_gib)})"
+    if fit: return [flags(r) for r in fit[:n]]
+    least = min(rows, key=total)
+    return [f"nothing fits {_size(gpu_gib)} at {batch_size} sample(s) per GPU, the least being {flags(least)}: the whole pipeline stays "
+            "on each GPU, so a GPU with more memory, or a lower --resolution where the activations are what is over"]

@@ -15,8 +15,8 @@ from diffusers import GlmImagePipeline
 from ..config import Config, ConfigError, model_record, sampling_settings
 from ..edits import EditDataConfig
 from ..grids import to_pil
-from .build import GlmBuildConfig, build_glm_image, fix_image_to_image
-from .memory import AR_LORA_TARGETS, DIT_LORA_TARGETS
+from .build import GlmBuildConfig, build_glm_image, fix_image_to_image, glm_build_config_of
+from .memory import AR_LORA_TARGETS, DIT_LORA_TARGETS, fitting_runs, glm_memory_table
 from .sft import (_pil, glm_ar_batch, glm_ar_loss, glm_dit_batch, glm_dit_loss, glm_image_codes, glm_normalise_latents,
                               glm_vision_features)
 
@@ -205,14 +205,21 @@ class GlmImage:
 
     def batch_size(self, batch:dict) -> int: return len(batch['caption'])
 
-    def oom_tips(self) -> list[str]:
-        "What would fit where this run ran out of memory, in its own flags (the loop adds them to its out-of-memory message; `nbs/05h_glm_memory.ipynb` has the table)."
+    def oom_tips(self, gpu_gib:float|None=None, batch_size:int=1) -> list[str]:
+        """What would fit where this run ran out of memory, in its own flags (the loop adds them to its out-of-memory message). On a
+        GPU of `gpu_gib`: the configurations of the memory table (`nbs/05h_glm_memory.ipynb`), counted for this model's own size,
+        resolution and `batch_size`, that fit it (`fitting_runs`); without one, the general ways."""
         cfg, tips = self.config, []
+        if gpu_gib:
+            try: rows = glm_memory_table(glm_build_config_of(self.pipe), cfg.resolution, cfg.resolution, gpu_gib=gpu_gib)
+            except Exception as e:   # on the way to reporting an out-of-memory error: that error, not this one, is what the user must see
+                rows = None; tips.append(f"(the memory table could not be counted for this model: {type(e).__name__}: {e})")
+            if rows: return tips + fitting_runs(rows, gpu_gib, cfg.train, batch_size) + ["more GPUs with sharding (FSDP2, DeepSpeed ZeRO-3) for full fine-tuning"]
         if cfg.trains_ar and not cfg.ar_lora_rank: tips.append("--ar_lora_rank 64 (the generator's adapters only: no 9B of gradients and AdamW state)")
         if cfg.trains_dit and not cfg.dit_lora_rank: tips.append("--dit_lora_rank 64 (the DiT's adapters only)")
         if cfg.train == 'both': tips.append("--train ar, then --train dit (one stage's gradients and optimizer state at a time)")
         if cfg.resolution > 512: tips.append(f"--resolution {cfg.resolution // 2} (a quarter of the DiT's tokens and the generator's target grid)")
-        return tips + ["more GPUs with sharding (FSDP, DeepSpeed ZeRO-3) for full fine-tuning"]
+        return tips + ["more GPUs with sharding (FSDP2, DeepSpeed ZeRO-3) for full fine-tuning"]
 
     def model_info(self) -> dict:
         "Parameter counts: every part, and what this run trains."

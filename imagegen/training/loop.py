@@ -1043,7 +1043,8 @@ def _out_of_memory(self:Trainer, e:BaseException) -> OutOfMemory:
     if not cfg.gradient_checkpointing: tips.append("--gradient_checkpointing (recompute activations: less memory, about 30 % slower)")
     if acc.mixed_precision == 'no': tips.append("--mixed_precision bf16 (half-size activations; fp16 on GPUs without bf16)")
     if cfg.ema: tips.append("--use_ema false, or keep the EMA on the CPU (it holds a full copy of the weights)")
-    if hasattr(self.task, 'oom_tips'): tips += list(self.task.oom_tips())   # the model's own ways to fit (LoRA, one stage at a time, ...)
+    if hasattr(self.task, 'oom_tips'):   # the model's own ways to fit (LoRA, one stage at a time, ...), for this GPU's memory and batch
+        tips += list(self.task.oom_tips(gpu_gib=total / 2**30 if dev.type == 'cuda' else None, batch_size=b))
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     first = re.sub(r'(Tried to allocate [\d.]+ [KMGT]?i?B)\..*', r'\1', first)   # torch goes on with the allocator's bookkeeping
     ck = latest_checkpoint(self.ckpt_dir)
