@@ -251,10 +251,15 @@ FAMILIES = {   # the other two families' tiny runs, their text encoders trained 
                                          '--attention_levels', 'false,true', '--text_width', 32, '--text_ctx', 16, '--text_layers', 1])}
 
 
-@pytest.mark.slow
+WRAPPER = {'gpt': 'GPTWithTextEncoder', 'glide': 'UNetWithTextEncoder'}
+BLOCKS = {'gpt': {'Block', 'CLIPEncoderLayer'}, 'glide': {'ResnetBlock2D', 'CLIPEncoderLayer'}}
+
+
 @pytest.mark.parametrize('family', sorted(FAMILIES))
 def test_family_trains_like_ddp(family, tmp_path):
-    "The latent GPT and GLIDE under FSDP2: the same losses as DDP and an exported folder with the same weights (measured: equal for the GPT, 5e-7 apart for GLIDE)."
+    """The latent GPT and GLIDE under FSDP2, each a wrapper around its generator and text encoder: the same losses as DDP,
+    the two models' blocks as FSDP units, and an exported folder with the same weights (measured: equal for the GPT,
+    5e-7 apart for GLIDE)."""
     script, args = FAMILIES[family]
     if family == 'gpt':
         from diffusers import VQModel
@@ -265,6 +270,9 @@ def test_family_trains_like_ddp(family, tmp_path):
     ddp, fsdp = rank_records(tmp_path/'p_ddp', 2), rank_records(tmp_path/'p_fsdp', 2)
     assert fsdp[0]['losses'] == pytest.approx(ddp[0]['losses'], rel=1e-6, abs=1e-7)
     assert fsdp[0]['params'].numel() < 0.6 * ddp[0]['params'].numel()   # sharded
+    # units: the generator's and the text encoder's own blocks inside the wrapper (`fsdp_wrap_policy` reads the parts'
+    # _no_split_modules; the wrapper declares none, so accelerate's default would leave it the only unit)
+    assert fsdp[0]['fsdp_units'][0] == WRAPPER[family] and BLOCKS[family] <= set(fsdp[0]['fsdp_units']), fsdp[0]['fsdp_units']
     a, b = folder_tensors(tmp_path/'ddp'/'model'), folder_tensors(tmp_path/'fsdp'/'model')
     assert a.keys() == b.keys() and max(max_diff({k: a[k]}, {k: b[k]}) for k in a) < 1e-4
     assert (tmp_path/'fsdp'/'checkpoints'/'step_00000004'/'pytorch_model_fsdp_0'/'.metadata').is_file()
