@@ -1,6 +1,7 @@
 """The shared loop under FSDP2 on 2 gloo CPU ranks (`accelerate launch --use_fsdp --fsdp_version 2`, as on GPUs; the loop
-turns FSDP on for CPU ranks, where accelerate leaves it off): the same losses and weights as DDP on the same data,
-each rank holding about half of the parameters, exact resume from a sharded checkpoint, and an exported folder that
+turns FSDP on for CPU ranks, where accelerate leaves it off): the same losses, gradient norms and weights as DDP on the
+same data for each family, each family's blocks as the FSDP units, each rank holding about half of the parameters, the
+NaN guard, exact resume from a sharded checkpoint (also after a rank died mid-save), and an exported folder that
 diffusers' pipeline loads. tests/dist_probe.py records what each rank held."""
 import json, shutil, sys
 from pathlib import Path
@@ -220,6 +221,35 @@ def test_fsdp_resume_is_exact(runs, shapes, tmp_path):
     assert max_diff(unet(d/'fsdp'), unet(res)) == 0
     from safetensors.torch import load_file
     assert max_diff(*[load_file(str(x/'checkpoints'/'step_00000004'/'ema.safetensors')) for x in (d/'fsdp', res)]) == 0
+
+
+KILL_IN_SAVE = """"Run a training script (argv[1:]) with rank 1 killed (SIGKILL) as the sharded save of step 4 begins, while rank 0 writes its slice."
+import os, runpy, signal, sys, accelerate
+save = accelerate.Accelerator.save_state
+def dying(self, output_dir=None, **kwargs):
+    if 'step_00000004' in str(output_dir) and self.process_index == 1: os.kill(os.getpid(), signal.SIGKILL)
+    return save(self, output_dir, **kwargs)
+accelerate.Accelerator.save_state = dying
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def test_rank_killed_while_saving_keeps_the_last_checkpoint(runs, shapes, tmp_path):
+    """A rank that dies in the middle of a sharded save (the launcher then stops the other) leaves the previous
+    checkpoint as `latest`, whole; the half-written step is never taken for a checkpoint, and the next launch resumes
+    from the step before it and ends where the uninterrupted run ended, bit for bit."""
+    from imagegen.training.checkpoints import latest_checkpoint
+    d, _, _ = runs
+    (tmp_path/'kill.py').write_text(KILL_IN_SAVE)
+    args = ['--output_dir', tmp_path/'run', '--dataset', shapes, *ARGS]
+    p = launch_fsdp(tmp_path/'kill.py', ROOT/'scripts'/'train_ldm.py', *args, check=False)
+    assert p.returncode != 0, p.stderr[-2000:]
+    ck = tmp_path/'run'/'checkpoints'
+    assert latest_checkpoint(ck).name == 'step_00000002' and not (ck/'step_00000004').exists(), sorted(x.name for x in ck.iterdir())
+    launch_fsdp('scripts/train_ldm.py', *args, probe=tmp_path/'probe')
+    assert rank_records(tmp_path/'probe', 2)[0]['start_step'] == 2 and latest_checkpoint(ck).name == 'step_00000004'
+    assert max_diff(unet(d/'fsdp'), unet(tmp_path/'run')) == 0
 
 
 def test_fsdp_export_loads_in_diffusers(runs, tmp_path):
