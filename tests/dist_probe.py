@@ -4,7 +4,7 @@
 - from the shared training loop, if the script trains: the batches it saw (`epoch`, `step`, sample `key`s, captions),
   the step it started at after resuming, its trainable parameters and EMA shadow at the start and end (its own slices
   under FSDP2 and ZeRO-3; `param_numel` is the whole count), FSDP2's units (`fsdp_units`: the class of each module
-  `fully_shard` wrapped, the root first), each update's logged gradient norm (`grad_norms`), and, for a text
+  `fully_shard` wrapped, the root first), each update's logged gradient norm (`grad_norms`), the process group's time-out (`pg_timeout_s`), and, for a text
   model, the tokenizer vocabulary and text-encoder weights it trained with.
 Seen: Python `open`, renames, `shutil.rmtree`, `torch.save` and safetensors `save_file`; not seen: other native writers
 (tokenizers' tokenizer.json, TensorBoard event files: tests check those by name)."""
@@ -81,6 +81,9 @@ def _instrument_training():
                 REC.setdefault('compute_dtype', str(m.weight.dtype)); h.remove()
             h = first.register_forward_pre_hook(seen)
         if self.ema: REC['ema_start'] = _flat(self.ema.shadow_params)
+        import torch.distributed as dist                # the process group's time-out (InitProcessGroupKwargs, --ddp_timeout)
+        if dist.is_initialized():
+            REC['pg_timeout_s'] = dist.distributed_c10d._get_default_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds()
         from torch.distributed.fsdp import FSDPModule   # FSDP2's units: each module fully_shard wrapped (its class renamed FSDP<name>)
         REC['fsdp_units'] = [type(m).__name__.removeprefix('FSDP') for m in model.modules() if isinstance(m, FSDPModule)]
         return _start_logging(self, resumed)

@@ -86,7 +86,7 @@ def runs(shapes, tmp_path_factory):
     "The tiny latent diffusion model trained 4 steps on 2 ranks, once under DDP and once under FSDP2, from the same seed and data."
     d = tmp_path_factory.mktemp('fsdp')
     launch('scripts/train_ldm.py', '--output_dir', d/'ddp', '--dataset', shapes, *ARGS, probe=d/'probe_ddp')
-    launch_fsdp('scripts/train_ldm.py', '--output_dir', d/'fsdp', '--dataset', shapes, *ARGS, probe=d/'probe_fsdp')
+    launch_fsdp('scripts/train_ldm.py', '--output_dir', d/'fsdp', '--dataset', shapes, *ARGS, '--ddp_timeout', 4321, probe=d/'probe_fsdp')
     return d, rank_records(d/'probe_ddp', 2), rank_records(d/'probe_fsdp', 2)
 
 
@@ -153,6 +153,12 @@ def test_fsdp_nan_gradients_never_reach_the_weights(tmp_path):
     for r in (0, 1):
         got = json.loads((tmp_path/'run'/f'nan_rank{r}.json').read_text())
         assert got['sharded'] and got['finite'] and 'nan_max_consecutive=2' in (got['error'] or ''), got
+
+
+def test_ddp_timeout_reaches_the_process_group(runs):
+    "`--ddp_timeout` (transformers' flag) is the time-out every rank's process group waits at a collective; 30 min without it."
+    _, ddp, fsdp = runs
+    assert [r['pg_timeout_s'] for r in ddp] == [1800.0] * 2 and [r['pg_timeout_s'] for r in fsdp] == [4321.0] * 2, (ddp[0]['pg_timeout_s'], fsdp[0]['pg_timeout_s'])
 
 
 def test_fsdp_validation_grids_every_rank_samples_one_writes(runs):
