@@ -258,6 +258,22 @@ def test_rank_killed_while_saving_keeps_the_last_checkpoint(runs, shapes, tmp_pa
     assert max_diff(unet(d/'fsdp'), unet(tmp_path/'run')) == 0
 
 
+def test_fsdp_resumes_on_another_number_of_ranks(runs, shapes, tmp_path):
+    """torch's distributed checkpoint reshards on load: the 2-rank step-2 checkpoint resumes on 3 ranks and trains to step
+    4, each rank from step 2, saying once (not once per rank) that a batch of the epoch is repeated (4 done by 2 ranks)."""
+    d, _, _ = runs
+    res = tmp_path/'res'
+    res.mkdir()
+    for name in ('checkpoints', 'config.yaml', 'initial_model', 'run_info.json'):
+        (shutil.copytree if (d/'fsdp'/name).is_dir() else shutil.copy)(d/'fsdp'/name, res/name)
+    shutil.rmtree(res/'checkpoints'/'step_00000004'); (res/'checkpoints'/'latest').write_text('step_00000002')
+    p = launch_fsdp('scripts/train_ldm.py', '--output_dir', res, '--dataset', shapes, *ARGS, probe=tmp_path/'probe', launcher=['--num_processes', 3])
+    recs = rank_records(tmp_path/'probe', 3)
+    assert [(r['world_size'], r['start_step'], r['end_step']) for r in recs] == [(3, 2, 4)] * 3
+    assert (p.stdout + p.stderr).count('with 3 ranks 1 are repeated') == 1, p.stderr[-3000:]
+    assert (res/'checkpoints'/'step_00000004'/'pytorch_model_fsdp_0'/'.metadata').is_file()
+
+
 def test_fsdp_export_loads_in_diffusers(runs, tmp_path):
     """The folder saved from the sharded model is whole: StableDiffusionPipeline loads it, with the DDP run's weights; and
     export_checkpoint.py puts a sharded checkpoint's raw weights together (one process, no ranks) as DDP's are."""

@@ -518,7 +518,7 @@ def _resume(self:Trainer) -> Path|None:
     self.epoch_sums, self.epoch_metrics = st['epoch_sums'], st['epoch_metrics']
     self.run_name = self.cfg.run_name or st['run_name']
     gb, n = st['global_batches_in_epoch'], self.acc.num_processes
-    if gb % n: warnings.warn(f"{ckpt}: {gb} batches of this epoch were done by {st['num_processes']} ranks; with {n} ranks {gb % n} are repeated.")
+    if gb % n and self.acc.is_main_process: warnings.warn(f"{ckpt}: {gb} batches of this epoch were done by {st['num_processes']} ranks; with {n} ranks {gb % n} are repeated.")
     self.batch_in_epoch = gb // n
     self.best, self.evals_since_best = st.get('best'), st.get('evals_since_best', 0)
     if self.best is not None and self.best.get('metric') != self.cfg.metric_for_best_model:
