@@ -213,14 +213,19 @@ def test_cached_latents_and_text_embeddings_under_fsdp_match_ddp(shapes, tmp_pat
     assert max_diff(unet(tmp_path/'ddp'), unet(tmp_path/'fsdp')) < 1e-4
 
 
+def stopped_at_step_2(run:Path, res:Path) -> Path:
+    "A copy of the 4-step `run` as it stood after its step-2 checkpoint: what a run stopped there leaves to resume."
+    res.mkdir()
+    for name in ('checkpoints', 'config.yaml', 'initial_model', 'run_info.json'):
+        (shutil.copytree if (run/name).is_dir() else shutil.copy)(run/name, res/name)
+    shutil.rmtree(res/'checkpoints'/'step_00000004'); (res/'checkpoints'/'latest').write_text('step_00000002')
+    return res
+
+
 def test_fsdp_resume_is_exact(runs, shapes, tmp_path):
     "Resumed from the sharded step-2 checkpoint, the run ends with the uninterrupted run's weights and EMA, bit for bit."
     d, _, _ = runs
-    res = tmp_path/'res'
-    res.mkdir()
-    for name in ('checkpoints', 'config.yaml', 'initial_model', 'run_info.json'):
-        (shutil.copytree if (d/'fsdp'/name).is_dir() else shutil.copy)(d/'fsdp'/name, res/name)
-    shutil.rmtree(res/'checkpoints'/'step_00000004'); (res/'checkpoints'/'latest').write_text('step_00000002')
+    res = stopped_at_step_2(d/'fsdp', tmp_path/'res')
     p = launch_fsdp('scripts/train_ldm.py', '--output_dir', res, '--dataset', shapes, *ARGS, probe=tmp_path/'probe')
     assert 'resuming from' in p.stdout + p.stderr
     assert rank_records(tmp_path/'probe', 2)[0]['start_step'] == 2
@@ -262,11 +267,7 @@ def test_fsdp_resumes_on_another_number_of_ranks(runs, shapes, tmp_path):
     """torch's distributed checkpoint reshards on load: the 2-rank step-2 checkpoint resumes on 3 ranks and trains to step
     4, each rank from step 2, saying once (not once per rank) that a batch of the epoch is repeated (4 done by 2 ranks)."""
     d, _, _ = runs
-    res = tmp_path/'res'
-    res.mkdir()
-    for name in ('checkpoints', 'config.yaml', 'initial_model', 'run_info.json'):
-        (shutil.copytree if (d/'fsdp'/name).is_dir() else shutil.copy)(d/'fsdp'/name, res/name)
-    shutil.rmtree(res/'checkpoints'/'step_00000004'); (res/'checkpoints'/'latest').write_text('step_00000002')
+    res = stopped_at_step_2(d/'fsdp', tmp_path/'res')
     p = launch_fsdp('scripts/train_ldm.py', '--output_dir', res, '--dataset', shapes, *ARGS, probe=tmp_path/'probe', launcher=['--num_processes', 3])
     recs = rank_records(tmp_path/'probe', 3)
     assert [(r['world_size'], r['start_step'], r['end_step']) for r in recs] == [(3, 2, 4)] * 3
