@@ -51,7 +51,7 @@ def two_stage_grpo_under_fsdp_and_ddp(tmp_path, script:str, load, stages, tol:fl
 
 NAN_RUN = '''
 "The regression task of tests/test_training.py with NaN gradients from its 4th batch on, on 2 ranks (FSDP2 or DeepSpeed); argv: OUT TESTS_DIR."
-import json, sys, warnings
+import json, sys
 sys.path.insert(0, sys.argv[2])
 import torch
 from test_training import Regression, cfg, data
@@ -234,7 +234,7 @@ def test_fsdp_resume_is_exact(runs, shapes, tmp_path):
     assert max_diff(*[load_file(str(x/'checkpoints'/'step_00000004'/'ema.safetensors')) for x in (d/'fsdp', res)]) == 0
 
 
-KILL_IN_SAVE = """"Run a training script (argv[1:]) with rank 1 killed (SIGKILL) as the sharded save of step 4 begins, while rank 0 writes its slice."
+KILL_IN_SAVE = """"Run a training script (argv[1:]) with rank 1 killed (SIGKILL) as the sharded save of step 4 begins, rank 0 gone on into it."
 import os, runpy, signal, sys, accelerate
 save = accelerate.Accelerator.save_state
 def dying(self, output_dir=None, **kwargs):

@@ -209,16 +209,17 @@ class GlmImage:
         """What would fit where this run ran out of memory, in its own flags (the loop adds them to its out-of-memory message). On a
         GPU of `gpu_gib`: the configurations of the memory table (`nbs/05h_glm_memory.ipynb`), counted for this model's own size,
         resolution and `batch_size`, that fit it (`fitting_runs`); without one, the general ways."""
-        cfg, tips = self.config, []
+        cfg, tips, rows = self.config, [], None
         if gpu_gib:
             try: rows = glm_memory_table(glm_build_config_of(self.pipe), cfg.resolution, cfg.resolution, gpu_gib=gpu_gib)
             except Exception as e:   # on the way to reporting an out-of-memory error: that error, not this one, is what the user must see
-                rows = None; tips.append(f"(the memory table could not be counted for this model: {type(e).__name__}: {e})")
-            if rows: return tips + fitting_runs(rows, gpu_gib, cfg.train, batch_size) + ["more GPUs with sharding (FSDP2, DeepSpeed ZeRO-3) for full fine-tuning"]
-        if cfg.trains_ar and not cfg.ar_lora_rank: tips.append("--ar_lora_rank 64 (the generator's adapters only: no 9B of gradients and AdamW state)")
-        if cfg.trains_dit and not cfg.dit_lora_rank: tips.append("--dit_lora_rank 64 (the DiT's adapters only)")
-        if cfg.train == 'both': tips.append("--train ar, then --train dit (one stage's gradients and optimizer state at a time)")
-        if cfg.resolution > 512: tips.append(f"--resolution {cfg.resolution // 2} (a quarter of the DiT's tokens and the generator's target grid)")
+                tips.append(f"(the memory table could not be counted for this model: {type(e).__name__}: {e})")
+        if rows: tips += fitting_runs(rows, gpu_gib, cfg.train, batch_size)
+        else:
+            if cfg.trains_ar and not cfg.ar_lora_rank: tips.append("--ar_lora_rank 64 (the generator's adapters only: no 9B of gradients and AdamW state)")
+            if cfg.trains_dit and not cfg.dit_lora_rank: tips.append("--dit_lora_rank 64 (the DiT's adapters only)")
+            if cfg.train == 'both': tips.append("--train ar, then --train dit (one stage's gradients and optimizer state at a time)")
+            if cfg.resolution > 512: tips.append(f"--resolution {cfg.resolution // 2} (a quarter of the DiT's tokens and the generator's target grid)")
         return tips + ["more GPUs with sharding (FSDP2, DeepSpeed ZeRO-3) for full fine-tuning"]
 
     def model_info(self) -> dict:
